@@ -1,0 +1,169 @@
+"""Context-parallel dot-product attention over the four-axis mesh.
+
+Per device (inside one ``jax.shard_map``), with c=|cp_colossal|, u=|cp_ulysses|, t=|tp|:
+
+    q, k, v [B, S/(c*u), H/t, d]  --all-to-all over cp_ulysses-->  [B, S/c, H/(t*u), d]
+    k, v  --all-gather over cp_colossal-->  [B, S, K/(t*u), d]
+    local kernel on global positions   -->  o [B, S/c, H/(t*u), d]
+    o  --inverse all-to-all-->  [B, S/(c*u), H/t, d]
+
+Letters: B batch, S sequence, H query heads, K kv heads, d head dim.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jax_cp import kernels as _kernels
+from jax_cp._collectives import gather_ints, gather_seq, heads_to_seq, seq_to_heads
+from jax_cp._masks import normalize_window
+from jax_cp._mesh import COLOSSAL, CP, DP, TP, ULYSSES, MeshDims, lcm, mesh_dims, place
+
+__all__ = ["dot_product_attention", "attend_shard", "kv_head_replication", "LAYOUTS", "KV_EXCHANGES"]
+
+LAYOUTS = ("BSHD", "BNSD")
+KV_EXCHANGES = ("all_gather",)
+
+X_SPEC = P(DP, CP, TP, None)  # [B, S, H, d]
+META_SPEC = P(DP, CP)  # [B, S] positions / segment ids
+
+
+def kv_head_replication(num_heads: int, num_kv_heads: int, dims: MeshDims) -> int:
+    """How many times each kv head is repeated so that ``t*u`` devices each hold whole kv heads.
+
+    1 when ``num_kv_heads`` is a multiple of ``t*u``; otherwise the minimal
+    factor ``lcm(K, t*u) / K`` (MQA under Ulysses: ``t*u``).
+    """
+    shards = dims.t * dims.u
+    expanded = lcm(num_kv_heads, shards)
+    if num_heads % expanded:
+        raise ValueError(
+            f"num_kv_heads={num_kv_heads} cannot be spread over tp*cp_ulysses={shards} devices for "
+            f"num_heads={num_heads}: the kv heads would be repeated to lcm={expanded}, which must divide "
+            f"num_heads; choose kv heads dividing {shards} or a multiple of it."
+        )
+    return expanded // num_kv_heads
+
+
+def check_heads(num_heads: int, num_kv_heads: int, dims: MeshDims) -> int:
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; "
+            "grouped-query attention needs kv heads dividing the query heads."
+        )
+    if num_heads % (dims.t * dims.u):
+        raise ValueError(
+            f"num_heads={num_heads} is not divisible by tp*cp_ulysses={dims.t}*{dims.u}={dims.t * dims.u}; "
+            "choose a head count divisible by it or a smaller tp/cp_ulysses."
+        )
+    return kv_head_replication(num_heads, num_kv_heads, dims)
+
+
+def check_seq_batch(batch: int, seq_len: int, dims: MeshDims) -> None:
+    if seq_len % dims.cp:
+        raise ValueError(
+            f"seq_len={seq_len} is not divisible by cp_colossal*cp_ulysses={dims.c}*{dims.u}={dims.cp}; "
+            "pad the sequence to a multiple of it."
+        )
+    if batch % dims.dp:
+        raise ValueError(f"batch={batch} is not divisible by dp={dims.dp}; use a batch that is a multiple of dp.")
+
+
+def check_metadata(name: str, value, batch: int, seq_len: int):
+    """``[S]`` or ``[B, S]`` integer array -> ``[B, S]`` int32 (``None`` passes)."""
+    if value is None:
+        return None
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+        raise ValueError(f"{name}.dtype={value.dtype} must be an integer dtype (e.g. int32).")
+    if value.shape not in ((seq_len,), (batch, seq_len)):
+        raise ValueError(f"{name}.shape={value.shape} must be (seq_len,)=({seq_len},) or (batch, seq_len)=({batch}, {seq_len}).")
+    return jnp.broadcast_to(value.astype(jnp.int32), (batch, seq_len))
+
+
+def attend_shard(q_BSHd, k_BSKd, v_BSKd, pos_BS, seg_BS, *, kv_exchange="all_gather", kernel="auto", **mask):
+    """Colossal K/V exchange and the local kernel, after the Ulysses all-to-all.
+
+    Takes the device's contiguous colossal chunk ``[B, S/c, ...]`` of heads and
+    metadata; returns ``o [B, S/c, H_local, d]``.
+    """
+    if kv_exchange != "all_gather":
+        raise ValueError(f"kv_exchange={kv_exchange!r} must be one of {KV_EXCHANGES}.")
+    k_all = gather_seq(k_BSKd, COLOSSAL)
+    v_all = gather_seq(v_BSKd, COLOSSAL)
+    kv_pos = gather_ints(pos_BS, COLOSSAL)
+    kv_seg = None if seg_BS is None else gather_ints(seg_BS, COLOSSAL)
+    return _kernels.local_attention(
+        q_BSHd, k_all, v_all, kernel=kernel, q_positions=pos_BS, kv_positions=kv_pos,
+        q_segment_ids=seg_BS, kv_segment_ids=kv_seg, **mask,
+    )
+
+
+def _shard_fn(q, k, v, pos, seg=None, **kw):
+    q, k, v = (seq_to_heads(a, ULYSSES) for a in (q, k, v))
+    pos = gather_ints(pos, ULYSSES)
+    seg = None if seg is None else gather_ints(seg, ULYSSES)
+    o = attend_shard(q, k, v, pos, seg, **kw)
+    return heads_to_seq(o, ULYSSES)
+
+
+def dot_product_attention(
+    query, key, value, *, mesh, is_causal=False, scale=None, layout="BSHD",
+    positions=None, segment_ids=None, local_window_size=None,
+    kernel="auto", kv_exchange="all_gather",
+):
+    """Context-parallel counterpart of ``jax.nn.dot_product_attention``.
+
+    Global arrays in, a global array out (sharded over the mesh like the query
+    after resharding: batch on ``dp``, sequence on ``(cp_colossal, cp_ulysses)``,
+    heads on ``tp``). The strategy follows the mesh: Ulysses when
+    ``cp_colossal=1``, Colossal all-gather when ``cp_ulysses=1``, hybrid when
+    both are > 1. ``layout`` is ``"BSHD"`` or ``"BNSD"``. ``positions`` and
+    ``segment_ids`` (``[S]`` or ``[B, S]`` ints) give the global position and
+    document of each token in the order given; masks come from them.
+    """
+    dims = mesh_dims(mesh)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}.")
+    for name, a in (("query", query), ("key", key), ("value", value)):
+        if getattr(a, "ndim", None) != 4:
+            raise ValueError(f"{name}.shape={getattr(a, 'shape', None)} must have rank 4 ({layout}).")
+    if layout == "BNSD":
+        query, key, value = (jnp.swapaxes(a, 1, 2) for a in (query, key, value))
+    B, S, H, d = query.shape
+    if key.shape != value.shape:
+        raise ValueError(f"key.shape={key.shape} and value.shape={value.shape} must match.")
+    if key.shape[0] != B or key.shape[1] != S or key.shape[3] != d:
+        raise ValueError(
+            f"key.shape={key.shape} does not fit query.shape={query.shape}: batch, sequence and head dim "
+            f"must match (layout={layout!r})."
+        )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(f"query/key/value dtypes {query.dtype}/{key.dtype}/{value.dtype} must be equal.")
+    K = key.shape[2]
+    rep = check_heads(H, K, dims)
+    check_seq_batch(B, S, dims)
+    if kv_exchange not in KV_EXCHANGES:
+        raise ValueError(f"kv_exchange={kv_exchange!r} must be one of {KV_EXCHANGES}.")
+    _kernels.check_kernel(kernel)
+    window = normalize_window(local_window_size)
+    positions = check_metadata("positions", positions, B, S)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    segment_ids = check_metadata("segment_ids", segment_ids, B, S)
+
+    if rep > 1:
+        key, value = (jnp.repeat(a, rep, axis=2) for a in (key, value))
+    args = [place(a, mesh, X_SPEC) for a in (query, key, value)]
+    args.append(place(positions, mesh, META_SPEC))
+    in_specs = [X_SPEC] * 3 + [META_SPEC]
+    if segment_ids is not None:
+        args.append(place(segment_ids, mesh, META_SPEC))
+        in_specs.append(META_SPEC)
+    fn = partial(_shard_fn, is_causal=is_causal, scale=scale, local_window_size=window,
+                 kernel=kernel, kv_exchange=kv_exchange)
+    out = jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=X_SPEC)(*args)
+    return jnp.swapaxes(out, 1, 2) if layout == "BNSD" else out

@@ -1,0 +1,117 @@
+"""The four-axis device mesh and how arrays are placed on it.
+
+Axes, always these names: ``dp`` (batch), ``cp_colossal`` (K/V exchange along
+the sequence), ``cp_ulysses`` (sequence <-> head all-to-all), ``tp`` (heads).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+DP, COLOSSAL, ULYSSES, TP = "dp", "cp_colossal", "cp_ulysses", "tp"
+AXES = (DP, COLOSSAL, ULYSSES, TP)
+CP = (COLOSSAL, ULYSSES)  # the sequence axis is sharded colossal-major
+
+__all__ = ["AXES", "CP", "MeshDims", "make_mesh", "mesh_dims", "place"]
+
+
+def _check_degree(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer.")
+
+
+def make_mesh(
+    *,
+    cp_colossal: int = 1,
+    cp_ulysses: int = 1,
+    tp: int = 1,
+    dp: int | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    axis_types: AxisType | Sequence[AxisType] | None = None,
+) -> Mesh:
+    """Builds the ``("dp", "cp_colossal", "cp_ulysses", "tp")`` mesh.
+
+    ``dp=None`` takes the devices left over. Axes are laid onto the physical
+    topology by ``jax.make_mesh`` so the fast-varying axes (``cp_ulysses``,
+    ``tp``) land on the nearest chips. ``devices`` may be any device list,
+    including TPU topology devices for ahead-of-time compilation.
+    ``axis_types`` is one ``AxisType`` for all axes or one per axis; ``None``
+    keeps JAX's default (``Explicit``).
+    """
+    for name, value in (("cp_colossal", cp_colossal), ("cp_ulysses", cp_ulysses), ("tp", tp)):
+        _check_degree(name, value)
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    cp_tp = cp_colossal * cp_ulysses * tp
+    if dp is None:
+        if n % cp_tp:
+            raise ValueError(
+                f"cp_colossal*cp_ulysses*tp={cp_tp} does not divide the {n} devices; "
+                f"choose degrees whose product divides {n}."
+            )
+        dp = n // cp_tp
+    _check_degree("dp", dp)
+    if dp * cp_tp != n:
+        raise ValueError(
+            f"dp*cp_colossal*cp_ulysses*tp={dp}*{cp_colossal}*{cp_ulysses}*{tp}={dp * cp_tp} "
+            f"does not match the {n} devices; pass dp=None to use the rest for dp."
+        )
+    if isinstance(axis_types, AxisType):
+        axis_types = (axis_types,) * len(AXES)
+    if axis_types is not None:
+        axis_types = tuple(axis_types)
+        if len(axis_types) != len(AXES):
+            raise ValueError(f"axis_types={axis_types} needs one AxisType per axis of {AXES}.")
+    return jax.make_mesh((dp, cp_colossal, cp_ulysses, tp), AXES, axis_types=axis_types, devices=devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshDims:
+    """Sizes of the four axes: ``P = c*u`` is the context-parallel degree."""
+
+    dp: int
+    c: int
+    u: int
+    t: int
+
+    @property
+    def cp(self) -> int:
+        return self.c * self.u
+
+
+def mesh_dims(mesh) -> MeshDims:
+    """Checks that ``mesh`` has the four named axes and returns their sizes."""
+    if mesh is None:
+        raise ValueError("mesh=None: pass the mesh to shard over, e.g. mesh=jax_cp.make_mesh(cp_ulysses=8).")
+    names = tuple(getattr(mesh, "axis_names", ()))
+    missing = [a for a in AXES if a not in names]
+    if missing:
+        raise ValueError(
+            f"mesh.axis_names={names} lacks {missing}; build the mesh with jax_cp.make_mesh "
+            f"(axes {AXES})."
+        )
+    shape = dict(mesh.shape)
+    extra = [a for a in names if a not in AXES and shape[a] != 1]
+    if extra:
+        raise ValueError(f"mesh has extra axes {extra} of size > 1; jax_cp meshes have exactly the axes {AXES}.")
+    return MeshDims(dp=shape[DP], c=shape[COLOSSAL], u=shape[ULYSSES], t=shape[TP])
+
+
+def is_explicit(mesh) -> bool:
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def place(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
+    """Puts ``x`` on ``mesh`` with ``spec``, for Explicit and Auto meshes alike."""
+    sharding = NamedSharding(mesh, spec)
+    if is_explicit(mesh):
+        return jax.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)
