@@ -37,15 +37,8 @@ def kv_head_replication(num_heads: int, num_kv_heads: int, dims: MeshDims) -> in
     1 when ``num_kv_heads`` is a multiple of ``t*u``; otherwise the minimal
     factor ``lcm(K, t*u) / K`` (MQA under Ulysses: ``t*u``).
     """
-    shards = dims.t * dims.u
-    expanded = lcm(num_kv_heads, shards)
-    if num_heads % expanded:
-        raise ValueError(
-            f"num_kv_heads={num_kv_heads} cannot be spread over tp*cp_ulysses={shards} devices for "
-            f"num_heads={num_heads}: the kv heads would be repeated to lcm={expanded}, which must divide "
-            f"num_heads; choose kv heads dividing {shards} or a multiple of it."
-        )
-    return expanded // num_kv_heads
+    # H is a multiple of both K and t*u (checked first), so of their lcm too.
+    return lcm(num_kv_heads, dims.t * dims.u) // num_kv_heads
 
 
 def check_heads(num_heads: int, num_kv_heads: int, dims: MeshDims) -> int:

@@ -1,0 +1,55 @@
+"""Shared test helpers: inputs, fixed per-dtype tolerances, forward+VJP in one compile."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Fixed per dtype; never loosened to make a test pass.
+TOL = {
+    jnp.dtype(jnp.float32): dict(atol=2e-5, rtol=2e-5),
+    jnp.dtype(jnp.bfloat16): dict(atol=3e-2, rtol=3e-2),
+}
+
+MESHES = [(8, 1, 1), (1, 8, 1), (2, 4, 1), (4, 2, 1), (2, 2, 2), (1, 4, 2), (4, 1, 2), (1, 2, 4), (2, 2, 1), (1, 2, 2)]
+
+
+def assert_close(actual, expected, dtype, what=""):
+    tol = TOL[jnp.dtype(dtype)]
+    np.testing.assert_allclose(
+        np.asarray(jnp.asarray(actual, jnp.float32)), np.asarray(jnp.asarray(expected, jnp.float32)),
+        err_msg=what, **tol,
+    )
+
+
+def random_qkv(B, S, H, K, d, dtype=jnp.float32, seed=0, layout="BSHD"):
+    kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
+    qs, ks = (B, S, H, d), (B, S, K, d)
+    if layout == "BNSD":
+        qs, ks = (B, H, S, d), (B, K, S, d)
+    q = jax.random.normal(kq, qs, jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, ks, jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, ks, jnp.float32).astype(dtype)
+    ct = jax.random.normal(kc, qs, jnp.float32).astype(dtype)
+    return q, k, v, ct
+
+
+def fwd_and_vjp(f, args, ct):
+    """``(f(*args), grads of <f(*args), ct> w.r.t. args)`` in one jit compile."""
+
+    @jax.jit
+    def run(args, ct):
+        out, vjp = jax.vjp(f, *args)
+        return out, vjp(ct)
+
+    return run(args, ct)
+
+
+def assert_matches(f, ref, args, ct, dtype, what=""):
+    """Forward and every gradient of ``f`` equal those of ``ref``."""
+    out, grads = fwd_and_vjp(f, args, ct)
+    r_out, r_grads = fwd_and_vjp(ref, args, ct)
+    assert bool(jnp.isfinite(jnp.asarray(out, jnp.float32)).all()), what
+    assert_close(out, r_out, dtype, f"forward {what}")
+    for i, (g, rg) in enumerate(zip(grads, r_grads)):
+        assert_close(g, rg, dtype, f"grad {i} {what}")
