@@ -1,0 +1,203 @@
+"""One context-parallel attention layer as a pure function of its parameters.
+
+Shared by the NNX and Linen modules. Per device, inside one ``jax.shard_map``:
+x -> q/k/v projections (tp-local weights), each chunk's all-to-all issued right
+after its matmul -> QK-norm, RoPE -> colossal K/V exchange + local kernel ->
+per-chunk inverse all-to-all + output projection -> psum over tp.
+Letters: B batch, S sequence, D model width, H query heads, K kv heads, d head dim.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jax_cp import kernels as _kernels
+from jax_cp._attention import KV_EXCHANGES, attend_shard, check_metadata, check_seq_batch
+from jax_cp._collectives import gather_ints
+from jax_cp._masks import normalize_window
+from jax_cp._mesh import AXES, CP, DP, TP, ULYSSES, MeshDims, lcm, mesh_dims, place
+from jax_cp._posenc import apply_rope, rms_norm
+from jax_cp._projection import heads_to_model, project_to_heads
+
+X_SPEC = P(DP, CP, None)
+META_SPEC = P(DP, CP)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerConfig:
+    """Shape and behaviour of one attention layer (mesh-independent), validated on creation."""
+
+    in_features: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    is_causal: bool = False
+    use_qk_norm: bool = False
+    rope_theta: float | None = None
+    use_bias: bool = False
+    overlap_chunks: int = 1
+    kernel: str = "auto"
+    kv_exchange: str = "all_gather"
+
+    def __post_init__(self):
+        for name in ("in_features", "num_heads", "num_kv_heads", "head_dim", "overlap_chunks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer.")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
+                "grouped-query attention needs kv heads dividing the query heads."
+            )
+        if self.rope_theta is not None and (self.rope_theta <= 0 or self.head_dim % 2):
+            raise ValueError(f"rope_theta={self.rope_theta} needs rope_theta > 0 and an even head_dim (got {self.head_dim}).")
+        _kernels.check_kernel(self.kernel)
+        if self.kv_exchange not in KV_EXCHANGES:
+            raise ValueError(f"kv_exchange={self.kv_exchange!r} must be one of {KV_EXCHANGES}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a layer's heads land on a mesh: kv repetition and whether kv weights split over tp."""
+
+    dims: MeshDims
+    kv_expanded: int  # kv heads after minimal repetition, a multiple of t*u*chunks
+    kv_sharded: bool  # kv weights split over tp (else replicated, sliced per tp rank)
+
+
+def layout_for(cfg: LayerConfig, dims: MeshDims) -> Layout:
+    shards = dims.t * dims.u * cfg.overlap_chunks
+    if cfg.num_heads % (dims.t * dims.u):
+        raise ValueError(
+            f"num_heads={cfg.num_heads} is not divisible by tp*cp_ulysses={dims.t}*{dims.u}={dims.t * dims.u}; "
+            "choose a head count divisible by it or a smaller tp/cp_ulysses."
+        )
+    if cfg.num_heads % shards:
+        raise ValueError(
+            f"overlap_chunks={cfg.overlap_chunks} does not divide the {cfg.num_heads // (dims.t * dims.u)} query heads "
+            f"per device (num_heads={cfg.num_heads}, tp*cp_ulysses={dims.t * dims.u}); choose a divisor of it."
+        )
+    return Layout(dims, lcm(cfg.num_kv_heads, shards), cfg.num_kv_heads % dims.t == 0)
+
+
+def param_specs(cfg: LayerConfig, layout: Layout) -> dict[str, P]:
+    kv = P(None, TP, None) if layout.kv_sharded else P(None, None, None)
+    specs = {"q_kernel": P(None, TP, None), "k_kernel": kv, "v_kernel": kv, "o_kernel": P(TP, None, None)}
+    if cfg.use_bias:
+        kvb = P(TP, None) if layout.kv_sharded else P(None, None)
+        specs |= {"q_bias": P(TP, None), "k_bias": kvb, "v_bias": kvb, "o_bias": P(None)}
+    if cfg.use_qk_norm:
+        specs |= {"q_norm": P(None), "k_norm": P(None)}
+    return specs
+
+
+def param_shapes(cfg: LayerConfig) -> dict[str, tuple[int, ...]]:
+    D, H, K, d = cfg.in_features, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    shapes = {"q_kernel": (D, H, d), "k_kernel": (D, K, d), "v_kernel": (D, K, d), "o_kernel": (H, d, D)}
+    if cfg.use_bias:
+        shapes |= {"q_bias": (H, d), "k_bias": (K, d), "v_bias": (K, d), "o_bias": (D,)}
+    if cfg.use_qk_norm:
+        shapes |= {"q_norm": (d,), "k_norm": (d,)}
+    return shapes
+
+
+def init_param(name: str, shape, key, dtype, kernel_init):
+    """Kernels are initialised as 2-D ``[fan_in, fan_out]`` matrices, then reshaped."""
+    if name.endswith("_kernel"):
+        fan_in = shape[0] if name != "o_kernel" else shape[0] * shape[1]
+        flat = kernel_init(key, (fan_in, math.prod(shape) // fan_in), dtype)
+        return flat.reshape(shape)
+    if name.endswith("_norm"):
+        return jnp.ones(shape, dtype)
+    return jnp.zeros(shape, dtype)
+
+
+def _local_kv(w, layout: Layout, axis: int):
+    """Repeat this tp rank's kv heads (axis ``axis``) to the expanded count, minimal."""
+    dims, K_exp = layout.dims, layout.kv_expanded
+    K = w.shape[axis] * (dims.t if layout.kv_sharded else 1)
+    w = jnp.repeat(w, K_exp // K, axis=axis)
+    if not layout.kv_sharded and dims.t > 1:
+        per = K_exp // dims.t
+        w = lax.dynamic_slice_in_dim(w, lax.axis_index(TP) * per, per, axis=axis)
+    return w
+
+
+def _varying(a):
+    """Marks ``a`` as varying over every mesh axis, so the custom_vjp blocks see
+    one type and the transpose (a psum) of that cast sums the weight gradients."""
+    aval = jax.typeof(a)
+    vma = aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying  # renamed across JAX versions
+    missing = tuple(ax for ax in AXES if ax not in vma)
+    return lax.pcast(a, missing, to="varying") if missing else a
+
+
+def _chunks(a, n, axis):
+    return jnp.split(a, n, axis=axis) if n > 1 else [a]
+
+
+def _layer_shard(params, x_BSD, pos_BS, seg_BS, *, cfg: LayerConfig, layout: Layout, dtype, window, scale):
+    n = cfg.overlap_chunks
+    x = _varying(x_BSD.astype(dtype))
+    w = {k: _varying(v) for k, v in params.items()}  # parameter dtype; cast to dtype inside each block
+    wq, wo = w["q_kernel"], w["o_kernel"]
+    wk, wv = _local_kv(w["k_kernel"], layout, 1), _local_kv(w["v_kernel"], layout, 1)
+    bq = bk = bv = None
+    if cfg.use_bias:
+        bq, bk, bv = w["q_bias"], _local_kv(w["k_bias"], layout, 0), _local_kv(w["v_bias"], layout, 0)
+    qs, ks, vs = [], [], []
+    for cq, ck, cv, cbq, cbk, cbv in zip(
+        _chunks(wq, n, 1), _chunks(wk, n, 1), _chunks(wv, n, 1),
+        *(_chunks(b, n, 0) if b is not None else [None] * n for b in (bq, bk, bv)),
+    ):
+        qs.append(project_to_heads(x, cq, cbq, ULYSSES, dtype))
+        ks.append(project_to_heads(x, ck, cbk, ULYSSES, dtype))
+        vs.append(project_to_heads(x, cv, cbv, ULYSSES, dtype))
+    q, k, v = (jnp.concatenate(a, axis=2) if n > 1 else a[0] for a in (qs, ks, vs))
+    pos = gather_ints(pos_BS, ULYSSES)
+    seg = None if seg_BS is None else gather_ints(seg_BS, ULYSSES)
+    if cfg.use_qk_norm:
+        q, k = rms_norm(q, params["q_norm"]), rms_norm(k, params["k_norm"])
+    if cfg.rope_theta is not None:
+        q, k = apply_rope(q, pos, cfg.rope_theta), apply_rope(k, pos, cfg.rope_theta)
+    o = attend_shard(q, k, v, pos, seg, kv_exchange=cfg.kv_exchange, kernel=cfg.kernel,
+                     is_causal=cfg.is_causal, local_window_size=window, scale=scale)
+    y = sum(heads_to_model(co, cw, ULYSSES) for co, cw in zip(_chunks(o, n, 2), _chunks(wo, n, 0)))
+    y = lax.psum(y, TP)
+    if cfg.use_bias:
+        y = y + params["o_bias"][None, None]  # once, after the psum; in the parameter dtype
+    return y.astype(dtype)
+
+
+def layer_forward(params: dict, x_BSD, *, mesh, cfg: LayerConfig, dtype=None, positions=None,
+                  segment_ids=None, local_window_size=None, scale=None):
+    """Applies the layer to a global ``x [B, S, D]``; returns ``y [B, S, D]`` sharded like x."""
+    dims = mesh_dims(mesh)
+    layout = layout_for(cfg, dims)
+    if getattr(x_BSD, "ndim", None) != 3 or x_BSD.shape[-1] != cfg.in_features:
+        raise ValueError(f"x.shape={getattr(x_BSD, 'shape', None)} must be (batch, seq_len, in_features={cfg.in_features}).")
+    B, S, _ = x_BSD.shape
+    check_seq_batch(B, S, dims)
+    window = normalize_window(local_window_size)
+    positions = check_metadata("positions", positions, B, S)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    segment_ids = check_metadata("segment_ids", segment_ids, B, S)
+    dtype = jnp.dtype(x_BSD.dtype if dtype is None else dtype)
+    specs = param_specs(cfg, layout)
+    params = {k: place(params[k], mesh, specs[k]) for k in specs}
+    args = [params, place(x_BSD, mesh, X_SPEC), place(positions, mesh, META_SPEC)]
+    in_specs = [specs, X_SPEC, META_SPEC]
+    if segment_ids is not None:
+        args.append(place(segment_ids, mesh, META_SPEC))
+        in_specs.append(META_SPEC)
+    fn = partial(_layer_shard, cfg=cfg, layout=layout, dtype=dtype, window=window, scale=scale)
+    if segment_ids is None:
+        fn = partial(fn, seg_BS=None)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=X_SPEC)(*args)
