@@ -9,9 +9,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_cp._masks import Window, visible
+from jax_cp._blockwise import blockwise_attention
+from jax_cp._cudnn import cudnn_attention, cudnn_unsupported_reason
+from jax_cp._masks import Window, normalize_window, visible
+from jax_cp._splash import splash_attention, splash_unsupported_reason
 
-__all__ = ["KERNELS", "dense_attention", "local_attention"]
+__all__ = [
+    "KERNELS", "blockwise_attention", "check_kernel", "cudnn_attention", "dense_attention",
+    "local_attention", "select_kernel", "splash_attention", "target_platform",
+]
 
 KERNELS = ("auto", "blockwise", "xla", "splash", "cudnn")
 
@@ -27,7 +33,7 @@ def dense_attention(
     q_BTKGd = q_BTHd.reshape(B, T, K, H // K, d)
     s = jnp.einsum("btkgd,bskd->bkgts", q_BTKGd, k_BSKd, preferred_element_type=jnp.float32) * scale
     mask = visible(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                   is_causal=is_causal, window=local_window_size)[:, None, None]
+                   is_causal=is_causal, window=normalize_window(local_window_size))[:, None, None]
     s = jnp.where(mask, s, -1e30)
     p = jnp.exp(s - jax.lax.stop_gradient(s.max(-1, keepdims=True))) * mask
     denom = p.sum(-1, keepdims=True)
@@ -42,9 +48,61 @@ def check_kernel(kernel: str) -> str:
     return kernel
 
 
-def local_attention(q_BTHd, k_BSKd, v_BSKd, *, kernel: str = "auto", **mask_and_scale):
-    """Runs the selected kernel (see ``KERNELS``) on one device's share."""
-    kernel = check_kernel(kernel)
-    if kernel in ("auto", "xla"):
-        return dense_attention(q_BTHd, k_BSKd, v_BSKd, **mask_and_scale)
-    raise ValueError(f"kernel={kernel!r} is not available yet; use kernel='xla'.")
+def target_platform() -> str:
+    """The platform being compiled for.
+
+    Inside ``jax.shard_map`` the mesh's devices decide (so ahead-of-time
+    compiles for TPU topology devices select TPU kernels); elsewhere the
+    default backend. ``"gpu"`` for CUDA/ROCm.
+    """
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    platform = device.platform if device is not None else jax.default_backend()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window, has_segments: bool,
+                  dtype, head_dim: int) -> str:
+    """Resolves ``"auto"`` and checks that an explicit choice can serve the mask.
+
+    ``"auto"``: splash on TPU, cuDNN on GPU when the mask is expressible there,
+    blockwise otherwise. Explicit splash off TPU runs Pallas interpret mode
+    (slow, for tests); explicit cuDNN needs a GPU.
+    """
+    check_kernel(kernel)
+    splash_why = splash_unsupported_reason(window=window)
+    cudnn_why = cudnn_unsupported_reason(is_causal=is_causal, window=window, has_segments=has_segments,
+                                         dtype=dtype, head_dim=head_dim)
+    if kernel == "auto":
+        if platform == "tpu" and splash_why is None:
+            return "splash"
+        if platform == "gpu" and cudnn_why is None:
+            return "cudnn"
+        return "blockwise"
+    if kernel == "splash" and splash_why:
+        raise ValueError(f"kernel='splash' cannot serve this mask: {splash_why}; use kernel='blockwise' or 'auto'.")
+    if kernel == "cudnn":
+        if platform != "gpu":
+            raise ValueError(f"kernel='cudnn' needs a CUDA GPU, but the target platform is {platform!r}; "
+                             "use kernel='auto' or 'blockwise'.")
+        if cudnn_why:
+            raise ValueError(f"kernel='cudnn' cannot serve this call: {cudnn_why}; use kernel='blockwise' or 'auto'.")
+    return kernel
+
+
+def local_attention(
+    q_BTHd, k_BSKd, v_BSKd, *, kernel: str = "auto", q_positions, kv_positions, q_segment_ids=None,
+    kv_segment_ids=None, is_causal=False, local_window_size=None, scale=None,
+):
+    """Runs the selected kernel (see ``KERNELS``, ``select_kernel``) on one device's share."""
+    window = normalize_window(local_window_size)
+    chosen = select_kernel(kernel, platform=target_platform(), is_causal=is_causal, window=window,
+                           has_segments=q_segment_ids is not None, dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1])
+    kw = dict(q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
+              kv_segment_ids=kv_segment_ids, is_causal=is_causal, local_window_size=window, scale=scale)
+    if chosen == "xla":
+        return dense_attention(q_BTHd, k_BSKd, v_BSKd, **kw)
+    if chosen == "blockwise":
+        return blockwise_attention(q_BTHd, k_BSKd, v_BSKd, **kw)
+    if chosen == "splash":
+        return splash_attention(q_BTHd, k_BSKd, v_BSKd, interpret=target_platform() != "tpu", **kw)
+    return cudnn_attention(q_BTHd, k_BSKd, v_BSKd, scale=scale)

@@ -1,0 +1,34 @@
+"""GPU cuDNN flash attention through ``jax.nn.dot_product_attention(implementation="cudnn")``.
+
+cuDNN masks are index patterns (causal, window, padding lengths); they cannot
+follow explicit positions or segment ids, so only unmasked attention is served.
+Letters: B batch, T queries, S keys, H query heads, K kv heads, d head dim.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["cudnn_attention", "cudnn_unsupported_reason"]
+
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def cudnn_unsupported_reason(*, is_causal, window, has_segments, dtype, head_dim) -> str | None:
+    """Why cuDNN cannot serve this call (``None`` when it can)."""
+    if is_causal:
+        return "is_causal=True over explicit positions is not a cuDNN index mask"
+    if window is not None:
+        return f"local_window_size={window} over explicit positions is not a cuDNN index mask"
+    if has_segments:
+        return "segment_ids are not expressible as a cuDNN mask"
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"dtype={jnp.dtype(dtype)} is not bfloat16/float16"
+    if head_dim % 8 or head_dim > 128:
+        return f"head_dim={head_dim} is not a multiple of 8 that is <= 128"
+    return None
+
+
+def cudnn_attention(q_BTHd, k_BSKd, v_BSKd, *, scale=None, **_unused_mask):
+    """Unmasked attention on cuDNN (positions are irrelevant without a mask)."""
+    return jax.nn.dot_product_attention(q_BTHd, k_BSKd, v_BSKd, scale=scale, implementation="cudnn")
