@@ -1,0 +1,25 @@
+"""Pod planner: compile a layout ahead of time for a TPU topology on any machine and report on it.
+
+``analyze(topology="v5e:4x4", model="llama3-8b", seq_len=8192, cp_ulysses=4, tp=4)``
+compiles forward+backward of one ``CPAttention`` layer (and the naive fused-QKV
+baseline) with the real TPU compiler from the ``libtpu`` wheel and returns a
+``Report``: per-device memory, every collective of the schedule with its mesh
+axes and bytes, the overlap fraction forward and backward, FLOPs and an
+estimated step time. ``strategy="auto"`` chooses the layout. Command line:
+``python -m jax_cp.plan --help``. ``recommended_xla_flags`` /
+``apply_recommended_flags`` give the flags that make collectives asynchronous.
+"""
+from jax_cp.plan._analyze import STRATEGIES, analyze, get_topology, kv_exchanges
+from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
+from jax_cp.plan._chips import CHIPS, Chip, chip_for
+from jax_cp.plan._flags import FLAG_ENV, apply_recommended_flags, recommended_xla_flags
+from jax_cp.plan._hlo import CP_KINDS, Collective, Schedule, analyze_schedule
+from jax_cp.plan._models import MODELS, ModelSpec
+from jax_cp.plan._report import Analysis, Estimate, Memory, Report
+
+__all__ = [
+    "Analysis", "CHIPS", "CP_KINDS", "Chip", "Collective", "Estimate", "FLAG_ENV", "LayerShape", "MODELS",
+    "Memory", "ModelSpec", "Report", "STRATEGIES", "Schedule", "analyze", "analyze_schedule",
+    "apply_recommended_flags", "chip_for", "cp_layer", "get_topology", "kv_exchanges", "naive_layer",
+    "recommended_xla_flags",
+]

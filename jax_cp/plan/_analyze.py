@@ -1,0 +1,207 @@
+"""``analyze``: compile a layout ahead of time for a TPU topology and report on it.
+
+Compiles forward+backward of one ``CPAttention`` (and the naive baseline) for
+the topology's devices with the recommended flags, then reads memory, FLOPs
+and the scheduled HLO. ``strategy="auto"`` ranks every valid layout by a
+closed-form estimate, compiles the best few and keeps the fastest that fits.
+Letters: B batch, S sequence, D model width, H query heads, K kv heads, d head dim.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+
+from jax_cp._mesh import make_mesh
+from jax_cp.plan import _auto
+from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
+from jax_cp.plan._chips import chip_for
+from jax_cp.plan._flags import apply_recommended_flags, flag_string
+from jax_cp.plan._hlo import analyze_schedule
+from jax_cp.plan._models import ModelSpec, model_spec
+from jax_cp.plan._report import Analysis, Report, analysis_of
+
+__all__ = ["analyze", "get_topology", "STRATEGIES", "kv_exchanges"]
+
+STRATEGIES = ("manual", "auto")
+_TOPOLOGIES: dict[str, object] = {}
+_FLAGS_IN_EFFECT: list[str] = []  # LIBTPU_INIT_ARGS when libtpu first started in this process
+
+
+def kv_exchanges() -> tuple[str, ...]:
+    """The colossal K/V exchanges this installation offers (``"ring"`` once it lands)."""
+    from jax_cp._attention import KV_EXCHANGES
+
+    return tuple(KV_EXCHANGES)
+
+
+def get_topology(name: str):
+    """TPU topology description for ``name`` (e.g. ``"v5e:4x4"``), with the recommended flags applied first."""
+    chip_for(name)  # a clear error for unknown chips before libtpu is asked
+    if name not in _TOPOLOGIES:
+        if not _FLAGS_IN_EFFECT:
+            apply_recommended_flags("tpu")
+            _FLAGS_IN_EFFECT.append(flag_string("tpu"))
+        from jax.experimental import topologies
+
+        try:
+            _TOPOLOGIES[name] = topologies.get_topology_desc(platform="tpu", topology_name=name)
+        except Exception as e:  # libtpu raises JaxRuntimeError with its own wording
+            raise ValueError(f"topology={name!r} is not a TPU topology libtpu knows ({e}); "
+                             "use e.g. 'v5e:4x4', 'v5p:4x4x4', 'v6e:16x16'.") from None
+    return _TOPOLOGIES[name]
+
+
+def _layer_shape(model, *, batch, seq_len, **kw) -> LayerShape:
+    spec = model if isinstance(model, ModelSpec) else model_spec(model)
+    kw.setdefault("rope_theta", spec.rope_theta)
+    return LayerShape(batch=batch, seq_len=seq_len, d_model=spec.d_model, num_heads=spec.num_heads,
+                      num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, **kw)
+
+
+def check_degrees(n_devices: int, shape: LayerShape, c: int, u: int, t: int) -> int:
+    """Validates cp_colossal/cp_ulysses/tp against the devices and shapes; returns dp."""
+    for name, v in (("cp_colossal", c), ("cp_ulysses", u), ("tp", t)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive integer.")
+    if n_devices % (c * u * t):
+        raise ValueError(
+            f"cp_colossal*cp_ulysses*tp={c}*{u}*{t}={c * u * t} does not divide the topology's {n_devices} "
+            f"devices; choose degrees whose product divides {n_devices}."
+        )
+    dp = n_devices // (c * u * t)
+    if shape.batch % dp:
+        raise ValueError(f"batch={shape.batch} is not divisible by dp={dp} (= {n_devices} devices / "
+                         f"(cp_colossal*cp_ulysses*tp={c * u * t})); use a batch that is a multiple of {dp}.")
+    if shape.seq_len % (c * u):
+        raise ValueError(f"seq_len={shape.seq_len} is not divisible by cp_colossal*cp_ulysses={c * u}.")
+    if shape.num_heads % (t * u * shape.overlap_chunks):
+        raise ValueError(
+            f"num_heads={shape.num_heads} is not divisible by tp*cp_ulysses*overlap_chunks="
+            f"{t}*{u}*{shape.overlap_chunks}; choose smaller degrees."
+        )
+    if shape.kv_exchange not in kv_exchanges():
+        raise ValueError(f"kv_exchange={shape.kv_exchange!r} must be one of {kv_exchanges()}.")
+    return dp
+
+
+def _compile(build, label, shape, mesh, chip, budget) -> Analysis:
+    t0 = time.perf_counter()
+    fn, args = build(shape, mesh)
+    compiled = jax.jit(fn).lower(*args).compile()
+    elapsed = time.perf_counter() - t0
+    schedule = analyze_schedule(compiled.as_text(), mesh_shape=tuple(mesh.shape.values()),
+                                axis_names=tuple(mesh.axis_names))
+    return analysis_of(label, compiled, schedule, chip, budget, elapsed)
+
+
+def analyze_layout(topology: str, shape: LayerShape, c: int, u: int, t: int, *, memory_budget=None,
+                   baseline: bool = True) -> Report:
+    """Compiles one layout (and the naive baseline) and returns the report."""
+    topo = get_topology(topology)
+    devices = topo.devices
+    check_degrees(len(devices), shape, c, u, t)
+    chip = chip_for(topology)
+    budget = int(memory_budget or chip.device_hbm_bytes)
+    mesh = make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, devices=devices)
+    label = f"CPAttention ({c},{u},{t})"
+    analysis = _compile(cp_layer, label, shape, mesh, chip, budget)
+    base = _compile(naive_layer, "naive fused QKV", shape, mesh, chip, budget) if baseline else None
+    return Report(topology=topology, chip=chip, mesh_shape=dict(mesh.shape), layer=shape,
+                  flags=_FLAGS_IN_EFFECT[0] if _FLAGS_IN_EFFECT else flag_string("tpu"),
+                  analysis=analysis, baseline=base)
+
+
+def analyze(
+    *, topology: str, model: str | ModelSpec = "llama3-8b", seq_len: int, batch: int = 1,
+    strategy: str = "manual", cp_colossal: int = 1, cp_ulysses: int = 1, tp: int = 1,
+    kv_exchange: str = "all_gather", overlap_chunks: int = 1, kernel: str = "auto", is_causal: bool = True,
+    dtype: str = "bfloat16", param_dtype: str = "float32", memory_budget: int | None = None,
+    baseline: bool = True, candidates: int = 2,
+) -> Report:
+    """Plans one attention layer of ``model`` on ``topology`` and reports memory, collectives and overlap.
+
+    ``strategy="manual"`` compiles the given ``cp_colossal × cp_ulysses × tp``
+    (``dp`` takes the remaining devices). ``strategy="auto"`` chooses the
+    degrees, the K/V exchange and ``overlap_chunks`` itself (the given ones
+    are ignored): see ``Report.reasons``. ``memory_budget`` is bytes per
+    device (default: the chip's HBM). ``baseline=True`` also compiles the
+    naive fused-QKV layer for comparison.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}.")
+    if memory_budget is not None and memory_budget <= 0:
+        raise ValueError(f"memory_budget={memory_budget} must be a positive number of bytes.")
+    shape = _layer_shape(model, batch=batch, seq_len=seq_len, kv_exchange=kv_exchange, kernel=kernel,
+                         overlap_chunks=overlap_chunks, is_causal=is_causal, dtype=dtype, param_dtype=param_dtype)
+    if strategy == "manual":
+        return analyze_layout(topology, shape, cp_colossal, cp_ulysses, tp, memory_budget=memory_budget,
+                              baseline=baseline)
+    return choose(topology, shape, memory_budget=memory_budget, baseline=baseline, candidates=candidates)
+
+
+def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=True, candidates=2) -> Report:
+    """``strategy="auto"``: rank layouts in closed form, compile the best ``candidates``, keep the fastest that fits.
+
+    Each shortlisted layout is compiled with ``overlap_chunks`` 1 and 2 (where
+    the heads allow), since only the compiled schedule shows what chunking buys.
+    """
+    if not isinstance(candidates, int) or candidates < 1:
+        raise ValueError(f"candidates={candidates!r} must be a positive integer.")
+    chip = chip_for(topology)
+    n = len(get_topology(topology).devices)
+    budget = int(memory_budget or chip.device_hbm_bytes)
+    pool, rejected = _auto.candidates(n, shape, kv_exchanges())
+    if not pool:
+        raise ValueError(f"no layout of {n} devices fits the shapes: " + "; ".join(rejected))
+    ranked = sorted(pool, key=lambda k: _auto.closed_form_seconds(k, shape, chip))
+    layouts = []
+    for k in ranked:
+        key = (k.c, k.u, k.t, k.kv_exchange)
+        if key not in layouts:
+            layouts.append(key)
+    reasons = [f"{len(pool)} valid layouts of {n} devices ({len(rejected)} degree triples rejected by divisibility)."]
+    reasons.append("closed-form ranking (FLOPs/peak + wire bytes/ICI, no overlap): " + ", ".join(
+        f"({c},{u},{t}) {ex}" for c, u, t, ex in layouts[:candidates + 2]) + " ...")
+    tried = []
+    for c, u, t, ex in layouts:
+        if len(tried) >= 2 * candidates and any(r.analysis.memory.fits for r, _ in tried):
+            break
+        if len(tried) >= 8:
+            break
+        for chunks in (1, 2):
+            s = dataclasses.replace(shape, kv_exchange=ex, overlap_chunks=chunks)
+            if shape.num_heads % (t * u * chunks):
+                continue
+            r = analyze_layout(topology, s, c, u, t, memory_budget=budget, baseline=False)
+            tried.append((r, s))
+    for r, s in tried:
+        a = r.analysis
+        reasons.append(
+            f"compiled ({r.mesh_shape['cp_colossal']},{r.mesh_shape['cp_ulysses']},{r.mesh_shape['tp']}) "
+            f"{s.kv_exchange} chunks={s.overlap_chunks}: est. {a.estimate.step_s * 1e3:.3f} ms, "
+            f"memory {a.memory.total / 2**30:.2f} GiB {'fits' if a.memory.fits else 'does NOT fit'}, "
+            f"overlap fwd {_fmt(a.overlap('fwd'))} bwd {_fmt(a.overlap('bwd'))}"
+        )
+    fitting = [(r, s) for r, s in tried if r.analysis.memory.fits]
+    if not fitting:
+        raise ValueError(f"no compiled layout fits memory_budget={budget} bytes per device; "
+                         "use more devices, a shorter seq_len or a smaller batch.")
+    best, s = min(fitting, key=lambda rs: rs[0].analysis.estimate.step_s)
+    m = best.mesh_shape
+    reasons.append(
+        f"chosen: cp_colossal={m['cp_colossal']} cp_ulysses={m['cp_ulysses']} tp={m['tp']} dp={m['dp']} "
+        f"kv_exchange={s.kv_exchange} overlap_chunks={s.overlap_chunks}: the lowest estimated step time "
+        f"({best.analysis.estimate.step_s * 1e3:.3f} ms) among compiled layouts that fit {budget / 2**30:.2f} GiB."
+    )
+    base = None
+    if baseline:
+        mesh = make_mesh(cp_colossal=m["cp_colossal"], cp_ulysses=m["cp_ulysses"], tp=m["tp"],
+                         devices=get_topology(topology).devices)
+        base = _compile(naive_layer, "naive fused QKV", s, mesh, chip, budget)
+    return dataclasses.replace(best, baseline=base, reasons=tuple(reasons))
+
+
+def _fmt(x):
+    return "-" if x is None else f"{x:.2f}"

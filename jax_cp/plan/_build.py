@@ -1,0 +1,153 @@
+"""The programs the planner compiles: forward+backward of one attention layer.
+
+``cp_layer`` is ``jax_cp.CPAttention`` (separate q/k/v projections, each
+followed by its own all-to-all). ``naive_layer`` is the baseline: one fused QKV
+projection, then the collectives, same kernel and same backward mirror.
+Both return ``(fn, args)``: ``fn(params, x)`` gives the gradients of a scalar
+loss w.r.t. parameters and input, ``args`` are abstract, sharded arguments.
+Letters: B batch, S sequence, D model width, H query heads, K kv heads, d head dim.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_cp._mesh import CP, DP, TP, ULYSSES, lcm, mesh_dims
+
+__all__ = ["LayerShape", "cp_layer", "naive_layer"]
+
+X_SPEC = P(DP, CP, None)
+META_SPEC = P(DP, CP)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerShape:
+    """One attention layer and its input: sizes, dtypes, mask and the knobs of CPAttention."""
+
+    batch: int
+    seq_len: int
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    is_causal: bool = True
+    rope_theta: float | None = 500_000.0
+    kernel: str = "auto"
+    kv_exchange: str = "all_gather"
+    overlap_chunks: int = 1
+
+    def __post_init__(self):
+        for name in ("batch", "seq_len", "d_model", "num_heads", "num_kv_heads", "head_dim", "overlap_chunks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer.")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}.")
+        for name in ("dtype", "param_dtype"):
+            try:
+                jnp.dtype(getattr(self, name))
+            except TypeError:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not a dtype name (e.g. 'bfloat16').") from None
+
+
+def _sds(shape, dtype, mesh, spec):
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, spec))
+
+
+def _x_sds(shape: LayerShape, mesh):
+    return _sds((shape.batch, shape.seq_len, shape.d_model), shape.dtype, mesh, X_SPEC)
+
+
+def _loss_grad(apply):
+    """``(params, x) -> (dparams, dx)`` of a scalar loss of the layer's output."""
+    def loss(params, x):
+        return jnp.mean(jnp.square(apply(params, x).astype(jnp.float32)))
+    return jax.grad(loss, argnums=(0, 1))
+
+
+def cp_layer(shape: LayerShape, mesh):
+    """Forward+backward of one ``jax_cp.CPAttention`` on ``mesh``."""
+    from flax import nnx
+
+    from jax_cp import CPAttention
+
+    def make():
+        return CPAttention(
+            shape.d_model, shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, mesh=mesh,
+            is_causal=shape.is_causal, rope_theta=shape.rope_theta, dtype=jnp.dtype(shape.dtype),
+            param_dtype=jnp.dtype(shape.param_dtype), overlap_chunks=shape.overlap_chunks, kernel=shape.kernel,
+            kv_exchange=shape.kv_exchange, rngs=nnx.Rngs(0),
+        )
+
+    graphdef, state = nnx.split(nnx.eval_shape(make))
+    specs = nnx.get_partition_spec(state)
+    params = jax.tree.map(
+        lambda a, s: _sds(a.shape, a.dtype, mesh, s if isinstance(s, P) else P()), state, specs,
+        is_leaf=lambda a: isinstance(a, jax.ShapeDtypeStruct),
+    )
+
+    def apply(params, x):
+        return nnx.merge(graphdef, params)(x)
+
+    return _loss_grad(apply), (params, _x_sds(shape, mesh))
+
+
+def naive_layer(shape: LayerShape, mesh):
+    """The baseline: ``x @ [Wq|Wk|Wv]`` in one matmul, then every collective after it."""
+    from jax_cp._attention import attend_shard
+    from jax_cp._collectives import gather_ints, heads_to_seq, seq_to_heads
+
+    dims = mesh_dims(mesh)
+    H, d, D, t = shape.num_heads, shape.head_dim, shape.d_model, dims.t
+    if H % (t * dims.u):
+        raise ValueError(f"num_heads={H} is not divisible by tp*cp_ulysses={t * dims.u}.")
+    kv = lcm(shape.num_kv_heads, t * dims.u)  # kv heads after minimal repetition, as CPAttention does
+    hq, hk = H // t, kv // t  # per tp rank
+    dt = jnp.dtype(shape.dtype)
+
+    def shard(w_qkv, w_o, x_BSD, pos_BS):
+        B, s, _ = x_BSD.shape
+        y = jnp.einsum("bsd,dte->bse", x_BSD.astype(dt), w_qkv.astype(dt))
+        q, k, v = jnp.split(y, [hq * d, (hq + hk) * d], axis=-1)
+        q, k, v = (seq_to_heads(a.reshape(B, s, -1, d), ULYSSES) for a in (q, k, v))
+        pos = gather_ints(pos_BS, ULYSSES)
+        o = attend_shard(q, k, v, pos, None, kernel=shape.kernel, kv_exchange=shape.kv_exchange,
+                         is_causal=shape.is_causal)
+        o = heads_to_seq(o, ULYSSES).reshape(B, s, hq * d)
+        return lax.psum(jnp.einsum("bse,ted->bsd", o, w_o.astype(dt)), TP)
+
+    w_specs = (P(None, TP, None), P(TP, None, None))
+    fn = jax.shard_map(shard, mesh=mesh, in_specs=(*w_specs, X_SPEC, META_SPEC), out_specs=X_SPEC)
+    S, B = shape.seq_len, shape.batch
+
+    def apply(params, x):
+        pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        pos = jax.sharding.reshard(pos, NamedSharding(mesh, META_SPEC)) if _explicit(mesh) else pos
+        return fn(params["qkv_kernel"], params["o_kernel"], x, pos)
+
+    params = {
+        "qkv_kernel": _sds((D, t, (hq + 2 * hk) * d), shape.param_dtype, mesh, w_specs[0]),
+        "o_kernel": _sds((t, hq * d, D), shape.param_dtype, mesh, w_specs[1]),
+    }
+    return _loss_grad(apply), (params, _x_sds(shape, mesh))
+
+
+def _explicit(mesh) -> bool:
+    return any(a == jax.sharding.AxisType.Explicit for a in getattr(mesh, "axis_types", ()))
+
+
+def compile_program(build, shape: LayerShape, mesh):
+    """Lowers and compiles ``build(shape, mesh)`` for the mesh's devices; returns the compiled program."""
+    fn, args = build(shape, mesh)
+    return jax.jit(fn).lower(*args).compile()
+
+
+compile_cp = partial(compile_program, cp_layer)
+compile_naive = partial(compile_program, naive_layer)

@@ -1,0 +1,408 @@
+"""Reads a compiled module's scheduled HLO text: collectives, their mesh axes, and overlap.
+
+The text of ``compiled.as_text()`` lists each non-fusion computation's
+instructions in schedule order. A collective is *overlapped* when compute (a
+convolution/dot, directly or inside a fusion, or a kernel custom-call) is
+scheduled between its start and its done. Async forms recognised:
+
+* ``all-to-all-start``/``-done`` (and ``all-gather-``, ``all-reduce-``,
+  ``collective-permute-``, ``reduce-scatter-start``/``-done``);
+* ``async-start``/``async-update``/``async-done`` wrapping a collective;
+* TPU async collective fusion: a ``fusion`` whose computation holds an
+  ``AsyncCollectiveStart`` custom-call, continued by fusions whose computations
+  hold the collective (and usually a convolution), ended by one holding
+  ``AsyncCollectiveDone``.
+
+A collective in a scheduled computation (or a plain fusion) is synchronous.
+Backward collectives are those JAX named under ``transpose(...)`` in the op
+metadata; the rest are forward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Iterable, Sequence
+
+import numpy as np
+
+__all__ = ["Instr", "Collective", "Schedule", "parse_module", "analyze_schedule", "COLLECTIVE_KINDS", "CP_KINDS"]
+
+COLLECTIVE_KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+CP_KINDS = ("all-to-all", "all-gather", "reduce-scatter", "collective-permute")
+PHASES = ("fwd", "bwd")
+
+_DTYPE_BITS = {
+    "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32, "u32": 32,
+    "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128, "token": 0,
+}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_COMMENT = re.compile(r"/\*.*?\*/")
+_OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations)=\{?([%\w.\-, ]+)\}?")
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_IOTA_GROUPS = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_KERNEL_TARGETS = re.compile(r"tpu_custom_call|mosaic|gemm|cublas|cudnn|triton", re.I)
+_COMPUTE_OPS = ("convolution", "dot", "ragged-dot")
+
+
+def array_bytes(shape: str) -> int:
+    """Bytes of every array in a shape string (tuples summed; layouts ignored)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        bits = _DTYPE_BITS.get(dtype, 8 if dtype.startswith("f8") else 0)
+        total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    return total
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the bracket group opening at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        c = text[i]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    raise ValueError(f"unbalanced brackets in HLO line: {text[:200]!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Instr:
+    """One HLO instruction: result shape, opcode, operand names, raw attribute text."""
+
+    name: str
+    shape: str
+    opcode: str
+    operands: tuple[str, ...]
+    attrs: str
+
+    @property
+    def called(self) -> tuple[str, ...]:
+        out = []
+        for group in _CALLED.findall(self.attrs):
+            out += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+        return tuple(out)
+
+    @property
+    def target(self) -> str:
+        m = _TARGET.search(self.attrs)
+        return m.group(1) if m else ""
+
+    @property
+    def op_name(self) -> str:
+        m = _OP_NAME.search(self.attrs)
+        return m.group(1) if m else ""
+
+
+def _parse_instr(line: str) -> Instr | None:
+    line = _COMMENT.sub("", line).strip()
+    if line.startswith("ROOT "):
+        line = line[5:]
+    if not line.startswith("%") or " = " not in line:
+        return None
+    name, rest = line[1:].split(" = ", 1)
+    if rest.startswith("("):
+        end = _balanced(rest, 0)
+    else:
+        end = 0
+        while end < len(rest) and not rest[end].isspace():
+            end = _balanced(rest, end) if rest[end] in "{[(" else end + 1
+    shape, rest = rest[:end], rest[end:]
+    m = _OPCODE.match(rest)
+    if not m:
+        return None
+    open_paren = m.end() - 1
+    close = _balanced(rest, open_paren)
+    operands = tuple(
+        tok.split()[-1].lstrip("%") for tok in _split_top(rest[open_paren + 1 : close - 1]) if tok.strip()
+    )
+    return Instr(name=name, shape=shape, opcode=m.group(1), operands=operands, attrs=rest[close:])
+
+
+def _split_top(text: str) -> list[str]:
+    """Splits on commas outside brackets."""
+    parts, depth, cur = [], 0, []
+    for c in text:
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        if c == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+    parts.append("".join(cur))
+    return parts
+
+
+def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
+    """HLO module text -> ({computation: instructions in order}, entry name)."""
+    comps: dict[str, list[Instr]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m:
+                current = m.group(2)
+                comps[current] = []
+                entry = current if m.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        else:
+            instr = _parse_instr(line)
+            if instr is not None:
+                comps[current].append(instr)
+    if not entry:
+        raise ValueError("no ENTRY computation found in the HLO text; pass compiled.as_text().")
+    return comps, entry
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Collective:
+    """One collective of the schedule, per device."""
+
+    name: str
+    kind: str
+    axes: tuple[str, ...]
+    group_size: int
+    bytes: int  # the larger of its input and output buffers
+    phase: str  # "fwd" | "bwd"
+    is_async: bool
+    compute_inside: tuple[str, ...]  # compute ops scheduled between start and done
+    op_name: str = ""
+
+    def __post_init__(self):
+        if self.kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"kind={self.kind!r} must be one of {COLLECTIVE_KINDS}.")
+        if self.phase not in PHASES:
+            raise ValueError(f"phase={self.phase!r} must be one of {PHASES}.")
+
+    @property
+    def overlapped(self) -> bool:
+        return self.is_async and bool(self.compute_inside)
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each device sends (ring/bucket algorithms): the basis of time estimates."""
+        n = max(self.group_size, 1)
+        frac = (n - 1) / n
+        if self.kind == "all-reduce":
+            return 2 * self.bytes * frac
+        if self.kind == "collective-permute":
+            return float(self.bytes)
+        return self.bytes * frac
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """Every collective of a compiled module, in schedule order."""
+
+    collectives: tuple[Collective, ...]
+    cp_axes: tuple[str, ...] = ("cp_colossal", "cp_ulysses")
+
+    def is_cp(self, c: Collective) -> bool:
+        """A context-parallel exchange: a CP kind over CP mesh axes only."""
+        return c.kind in CP_KINDS and bool(c.axes) and set(c.axes) <= set(self.cp_axes)
+
+    def select(self, phase: str | None = None, *, cp_only: bool = True) -> tuple[Collective, ...]:
+        return tuple(
+            c for c in self.collectives
+            if (phase is None or c.phase == phase) and (not cp_only or self.is_cp(c))
+        )
+
+    def overlap_fraction(self, phase: str | None = None, *, cp_only: bool = True) -> float | None:
+        """Overlapped bytes / all bytes of the selected collectives (``None`` when there are none)."""
+        sel = self.select(phase, cp_only=cp_only)
+        total = sum(c.bytes for c in sel)
+        if total == 0:
+            return None
+        return sum(c.bytes for c in sel if c.overlapped) / total
+
+    def kinds(self, *, cp_only: bool = True) -> set[str]:
+        return {c.kind for c in self.select(cp_only=cp_only)}
+
+
+class _Module:
+    def __init__(self, text: str):
+        self.comps, self.entry = parse_module(text)
+        self.by_name = {c: {i.name: i for i in instrs} for c, instrs in self.comps.items()}
+        self._has: dict[tuple[str, str], bool] = {}
+
+    def contains(self, comp: str, what: str) -> bool:
+        """Does ``comp`` (or anything it calls) hold ``what`` ("compute", a collective kind, a target)?"""
+        key = (comp, what)
+        if key not in self._has:
+            self._has[key] = False  # recursion guard
+            self._has[key] = any(self._instr_is(i, what) for i in self.comps.get(comp, ()))
+        return self._has[key]
+
+    def _instr_is(self, i: Instr, what: str) -> bool:
+        if what == "compute":
+            if i.opcode in _COMPUTE_OPS or (i.opcode == "custom-call" and _KERNEL_TARGETS.search(i.target)):
+                return True
+        elif what in COLLECTIVE_KINDS:
+            if i.opcode in (what, what + "-start"):
+                return True
+        elif i.opcode == "custom-call" and i.target == what:
+            return True
+        return any(self.contains(c, what) for c in i.called)
+
+    def inner_collective(self, comp: str) -> tuple[Instr, str] | None:
+        for i in self.comps.get(comp, ()):
+            if i.opcode in COLLECTIVE_KINDS or i.opcode.removesuffix("-start") in COLLECTIVE_KINDS:
+                return i, comp
+            for c in i.called:
+                found = self.inner_collective(c)
+                if found:
+                    return found
+        return None
+
+    def scheduled(self) -> list[str]:
+        """Computations with their own schedule: everything not a fusion/async/reducer body."""
+        inner = set()
+        for instrs in self.comps.values():
+            for i in instrs:
+                if i.opcode in ("fusion", "async-start", "async-update", "async-done", "custom-call") or "to_apply=" in i.attrs:
+                    inner.update(i.called)
+        return [c for c in self.comps if c not in inner]
+
+
+def _kind(opcode: str) -> str:
+    return opcode.removesuffix("-start").removesuffix("-done")
+
+
+def _groups(attrs: str) -> list[list[int]]:
+    m = _IOTA_GROUPS.search(attrs)
+    if m:
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(shape).tolist()
+    for key in ("replica_groups=", "source_target_pairs="):
+        pos = attrs.find(key + "{")
+        if pos >= 0:
+            start = pos + len(key)
+            body = attrs[start + 1 : _balanced(attrs, start) - 1]
+            return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([0-9,\s]*)\}", body)]
+    return []
+
+
+def _axes(groups: list[list[int]], mesh_shape: Sequence[int], axis_names: Sequence[str]) -> tuple[str, ...]:
+    n = math.prod(mesh_shape)
+    varying = set()
+    for g in groups:
+        coords = np.array([np.unravel_index(i % n, tuple(mesh_shape)) for i in g]).reshape(len(g), -1)
+        varying.update(a for a in range(len(mesh_shape)) if len(set(coords[:, a])) > 1)
+    return tuple(axis_names[a] for a in sorted(varying))
+
+
+def _phase(op_name: str) -> str:
+    return "bwd" if "transpose(" in op_name else "fwd"
+
+
+def analyze_schedule(
+    text: str, *, mesh_shape: Sequence[int], axis_names: Sequence[str],
+    cp_axes: Iterable[str] = ("cp_colossal", "cp_ulysses"),
+) -> Schedule:
+    """Finds every collective in ``text`` (scheduled HLO), its mesh axes, bytes, phase and overlap.
+
+    ``mesh_shape``/``axis_names`` describe the mesh the module was compiled
+    for; logical device ``i`` sits at ``np.unravel_index(i, mesh_shape)``.
+    """
+    if len(mesh_shape) != len(axis_names):
+        raise ValueError(f"mesh_shape={tuple(mesh_shape)} and axis_names={tuple(axis_names)} differ in length.")
+    mod = _Module(text)
+    out: list[Collective] = []
+    for comp in mod.scheduled():
+        out += _collectives_of(mod, comp, mesh_shape, axis_names)
+    return Schedule(collectives=tuple(out), cp_axes=tuple(cp_axes))
+
+
+def _classify(mod: _Module, i: Instr) -> str:
+    """'start', 'done', 'pass' (carries an in-flight collective), 'sync', or ''."""
+    op = i.opcode
+    if op.endswith("-start") and _kind(op) in COLLECTIVE_KINDS:
+        return "start"
+    if op.endswith("-done") and _kind(op) in COLLECTIVE_KINDS:
+        return "done"
+    if op in COLLECTIVE_KINDS:
+        return "sync"
+    if op == "async-start":
+        return "start" if any(mod.inner_collective(c) for c in i.called) else ""
+    if op == "async-done":
+        return "done"
+    if op in ("async-update", "get-tuple-element", "tuple", "bitcast"):
+        return "pass"
+    if op == "fusion":
+        comp = i.called[0] if i.called else ""
+        if mod.contains(comp, "AsyncCollectiveStart"):
+            return "start"
+        if mod.contains(comp, "AsyncCollectiveDone"):
+            return "done"
+        if mod.inner_collective(comp):
+            return "pass" if "async_collective_fusion" in comp else "sync"
+    return ""
+
+
+def _collectives_of(mod, comp, mesh_shape, axis_names) -> list[Collective]:
+    instrs = mod.comps[comp]
+    names = mod.by_name[comp]
+    chains: dict[str, set[str]] = {}  # instruction -> in-flight starts it carries
+    open_at: dict[str, int] = {}
+    done_at: dict[str, int] = {}
+    for pos, i in enumerate(instrs):
+        role = _classify(mod, i)
+        carried = set().union(*(chains.get(o, set()) for o in i.operands))
+        if role == "start":
+            open_at[i.name] = pos
+            chains[i.name] = {i.name}
+        elif role == "pass" and carried:
+            chains[i.name] = carried
+        elif role == "done":
+            for s in carried:
+                done_at.setdefault(s, pos)
+    is_compute = [
+        i.opcode in _COMPUTE_OPS
+        or (i.opcode == "custom-call" and bool(_KERNEL_TARGETS.search(i.target)))
+        or (i.opcode in ("fusion", "call", "while", "conditional") and any(mod.contains(c, "compute") for c in i.called))
+        for i in instrs
+    ]
+    out = []
+    for pos, i in enumerate(instrs):
+        role = _classify(mod, i)
+        if role == "start":
+            end = done_at.get(i.name, len(instrs))
+            inside = tuple(instrs[k].name for k in range(pos + 1, end) if is_compute[k])
+            out.append(_describe(mod, comp, i, names, instrs, end, inside, True, mesh_shape, axis_names))
+        elif role == "sync":
+            out.append(_describe(mod, comp, i, names, instrs, pos, (), False, mesh_shape, axis_names))
+    return out
+
+
+def _describe(mod, comp, i, names, instrs, done_pos, inside, is_async, mesh_shape, axis_names) -> Collective:
+    """The collective's kind, axes, bytes and phase from the op that really holds it."""
+    if i.opcode in COLLECTIVE_KINDS or i.opcode.endswith("-start") and _kind(i.opcode) in COLLECTIVE_KINDS:
+        core, core_comp = i, comp
+    else:
+        core, core_comp = mod.inner_collective(i.called[0])
+    table = mod.by_name[core_comp]
+    in_bytes = sum(array_bytes(table[o].shape) for o in core.operands if o in table)
+    out_shape = core.shape
+    if core is i and i.opcode.endswith("-start") and done_pos < len(instrs):
+        out_shape = instrs[done_pos].shape  # the done's result, not the start's tuple
+    groups = _groups(core.attrs)
+    op_name = core.op_name or i.op_name
+    return Collective(
+        name=i.name, kind=_kind(core.opcode), axes=_axes(groups, mesh_shape, axis_names),
+        group_size=max((len(g) for g in groups), default=1) if core.opcode != "collective-permute" else 2,
+        bytes=max(in_bytes, array_bytes(out_shape)), phase=_phase(op_name), is_async=is_async,
+        compute_inside=inside, op_name=op_name,
+    )

@@ -1,0 +1,177 @@
+"""What the planner reports about one compiled program, and how it prints.
+
+All sizes are per device (one JAX device: a chip, or a TensorCore on v4).
+Times are *estimates* from published chip peaks, not measurements.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jax_cp.plan._chips import Chip
+from jax_cp.plan._hlo import Schedule
+
+__all__ = ["Memory", "Estimate", "Analysis", "Report", "analysis_of"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Memory:
+    """``compiled.memory_analysis()`` per device, and the budget it is checked against."""
+
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int
+    code: int
+    peak: int  # the compiler's own peak figure (0 where the backend gives none)
+    budget: int
+
+    def __post_init__(self):
+        if self.budget <= 0:
+            raise ValueError(f"budget={self.budget} bytes must be positive.")
+
+    @property
+    def total(self) -> int:
+        """Peak bytes in use: the compiler's peak, never below arguments+outputs+temporaries-aliased."""
+        return max(self.peak, self.arguments + self.outputs + self.temporaries - self.aliased)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """Step-time estimate (seconds) from FLOPs, bytes and published peaks. An estimate only."""
+
+    compute_s: float  # FLOPs / peak bf16 FLOP/s
+    memory_s: float  # bytes accessed / HBM bandwidth
+    comm_s: float  # every collective's wire bytes / ICI bandwidth
+    exposed_comm_s: float  # the same for collectives with no compute scheduled inside
+
+    @property
+    def step_s(self) -> float:
+        """Roofline of the device work, plus exposed communication; never below all communication."""
+        return max(max(self.compute_s, self.memory_s) + self.exposed_comm_s, self.comm_s)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Analysis:
+    """One compiled program: memory, FLOPs, collectives and overlap, time estimate."""
+
+    label: str
+    memory: Memory
+    flops: float
+    bytes_accessed: float
+    schedule: Schedule
+    estimate: Estimate
+    compile_s: float
+
+    def overlap(self, phase: str | None = None) -> float | None:
+        """Share of context-parallel collective bytes with compute scheduled inside (fwd/bwd/all)."""
+        return self.schedule.overlap_fraction(phase)
+
+
+def analysis_of(label: str, compiled, schedule: Schedule, chip: Chip, budget: int, compile_s: float) -> Analysis:
+    """Reads memory and cost from a compiled program and estimates its step time on ``chip``."""
+    m = compiled.memory_analysis()
+    memory = Memory(
+        arguments=int(m.argument_size_in_bytes), outputs=int(m.output_size_in_bytes),
+        temporaries=int(m.temp_size_in_bytes), aliased=int(m.alias_size_in_bytes),
+        code=int(m.generated_code_size_in_bytes), peak=int(getattr(m, "peak_memory_in_bytes", 0) or 0),
+        budget=budget,
+    )
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    comm = [c.wire_bytes / chip.device_ici_bandwidth for c in schedule.collectives]
+    exposed = [t for t, c in zip(comm, schedule.collectives) if not c.overlapped]
+    estimate = Estimate(
+        compute_s=flops / chip.device_flops, memory_s=accessed / chip.device_hbm_bandwidth,
+        comm_s=sum(comm), exposed_comm_s=sum(exposed),
+    )
+    return Analysis(label=label, memory=memory, flops=flops, bytes_accessed=accessed, schedule=schedule,
+                    estimate=estimate, compile_s=compile_s)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Report:
+    """The planner's answer: the layout, its analysis, the naive baseline, and why (for ``auto``)."""
+
+    topology: str
+    chip: Chip
+    mesh_shape: dict[str, int]
+    layer: object  # the LayerShape compiled
+    flags: str
+    analysis: Analysis
+    baseline: Analysis | None = None
+    reasons: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return format_report(self)
+
+
+def _b(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _f(x: float | None) -> str:
+    return "  -  " if x is None else f"{x:.2f}"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f} ms"
+
+
+def format_report(r: Report) -> str:
+    a, base = r.analysis, r.baseline
+    L = r.layer
+    mesh = " ".join(f"{k}={v}" for k, v in r.mesh_shape.items())
+    lines = [
+        f"jax_cp plan: {r.topology} ({r.chip.device_kind}), mesh {mesh}",
+        f"layer: B={L.batch} S={L.seq_len} D={L.d_model} H={L.num_heads} K={L.num_kv_heads} d={L.head_dim} "
+        f"dtype={L.dtype} params={L.param_dtype} causal={L.is_causal} kernel={L.kernel} "
+        f"kv_exchange={L.kv_exchange} overlap_chunks={L.overlap_chunks}",
+        f"flags: {r.flags or '(none)'}",
+        "",
+    ]
+    if r.reasons:
+        lines += ["strategy=auto:", *(f"  {x}" for x in r.reasons), ""]
+    programs = [a] + ([base] if base is not None else [])
+    head = f"{'':34s}" + "".join(f"{p.label:>22s}" for p in programs)
+    rows = [
+        ("memory: arguments", lambda p: _b(p.memory.arguments)),
+        ("memory: outputs", lambda p: _b(p.memory.outputs)),
+        ("memory: temporaries", lambda p: _b(p.memory.temporaries)),
+        ("memory: total (peak)", lambda p: _b(p.memory.total)),
+        (f"fits HBM budget {_b(a.memory.budget)}", lambda p: "yes" if p.memory.fits else "NO"),
+        ("FLOPs per device", lambda p: f"{p.flops:.3e}"),
+        ("CP collective bytes fwd", lambda p: _b(sum(c.bytes for c in p.schedule.select("fwd")))),
+        ("CP collective bytes bwd", lambda p: _b(sum(c.bytes for c in p.schedule.select("bwd")))),
+        ("overlap fraction fwd", lambda p: _f(p.overlap("fwd"))),
+        ("overlap fraction bwd", lambda p: _f(p.overlap("bwd"))),
+        ("overlap fraction fwd+bwd", lambda p: _f(p.overlap())),
+        ("est. compute (FLOPs/peak)", lambda p: _ms(p.estimate.compute_s)),
+        ("est. HBM traffic time", lambda p: _ms(p.estimate.memory_s)),
+        ("est. communication (all)", lambda p: _ms(p.estimate.comm_s)),
+        ("est. communication exposed", lambda p: _ms(p.estimate.exposed_comm_s)),
+        ("ESTIMATED step time", lambda p: _ms(p.estimate.step_s)),
+        ("compile time", lambda p: f"{p.compile_s:.1f} s"),
+    ]
+    lines.append(head)
+    lines += [f"{name:34s}" + "".join(f"{fn(p):>22s}" for p in programs) for name, fn in rows]
+    lines += ["", f"collectives of {a.label} (schedule order; * = counted in the CP overlap fraction):",
+              f"  {'':2s}{'phase':6s}{'kind':20s}{'mesh axes':26s}{'bytes':>12s}  {'async':6s}{'overlapped':11s}name"]
+    for c in a.schedule.collectives:
+        mark = "*" if a.schedule.is_cp(c) else " "
+        lines.append(
+            f"  {mark} {c.phase:6s}{c.kind:20s}{','.join(c.axes) or '-':26s}{_b(c.bytes):>12s}  "
+            f"{'yes' if c.is_async else 'no':6s}{'yes' if c.overlapped else 'no':11s}{c.name}"
+        )
+    lines += ["", "Times are estimates from published per-chip peaks (bf16 FLOP/s, HBM and ICI bandwidth),",
+              "not measurements. A collective counts as overlapped when a matmul/convolution is scheduled",
+              "between its start and done; fwd/bwd come from JAX's op names (transpose(...) = backward)."]
+    return "\n".join(lines)
