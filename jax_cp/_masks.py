@@ -40,7 +40,11 @@ def visible(
     is_causal: bool = False,
     window: Window = None,
 ) -> jax.Array:
-    """``mask_BTS[b, t, s]``: may query ``t`` see key ``s``."""
+    """``mask_BTS[b, t, s]``: may query ``t`` see key ``s``.
+
+    Keys must be in the query's segment (negative ids are padding: never
+    visible), within the window, and not after the query when causal.
+    """
     qp = q_pos_BT[:, :, None]
     kp = kv_pos_BS[:, None, :]
     mask = jnp.ones(jnp.broadcast_shapes(qp.shape, kp.shape), dtype=bool)
@@ -50,5 +54,6 @@ def visible(
         left, right = window
         mask &= (kp >= qp - left) & (kp <= qp + right)
     if q_seg_BT is not None:
-        mask &= q_seg_BT[:, :, None] == kv_seg_BS[:, None, :]
+        # Negative segment ids mark padding: it sees nothing and nothing sees it.
+        mask &= (q_seg_BT[:, :, None] == kv_seg_BS[:, None, :]) & (kv_seg_BS[:, None, :] >= 0)
     return mask

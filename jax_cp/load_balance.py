@@ -1,0 +1,98 @@
+"""Causal load balancing: the dual-chunk order of the sequence.
+
+With a causal mask, contiguous chunks give colossal rank 0 almost no work and
+the last rank almost all. Reorder once, at the input: cut the sequence into
+``2c`` chunks (``c = |cp_colossal|``); colossal rank ``i`` takes chunks ``i`` and
+``2c-1-i``. Tokens, labels, positions and segment ids move together, so masks
+(computed from positions) stay right. Pure Ulysses (``c = 1``) is a no-op.
+Implemented with reshape/reverse/concatenate, never a gather.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_cp._masks import normalize_window, visible
+from jax_cp._mesh import mesh_dims
+
+__all__ = ["reorder", "restore", "positions", "work"]
+
+
+def _check_len(seq_len: int, c: int, u: int, name: str = "seq_len") -> None:
+    if c > 1 and seq_len % (2 * c):
+        raise ValueError(
+            f"{name}={seq_len} is not divisible by 2*cp_colossal={2 * c}, as load balancing needs; "
+            f"pad the sequence to a multiple of {2 * c * u}."
+        )
+    if seq_len % (c * u):
+        raise ValueError(f"{name}={seq_len} is not divisible by cp_colossal*cp_ulysses={c * u}; pad the sequence.")
+
+
+def _permute(x, c: int, axis: int, inverse: bool):
+    x = jnp.asarray(x)
+    ax = axis % x.ndim
+    S = x.shape[ax]
+    _check_len(S, c, 1, name=f"array.shape[{axis}]")
+    pre, post = x.shape[:ax], x.shape[ax + 1 :]
+    L = S // (2 * c)
+    if not inverse:  # [first half | second half] -> [(c_0, c_2c-1), (c_1, c_2c-2), ...]
+        halves = x.reshape(pre + (2, c, L) + post)
+        first = jax.lax.index_in_dim(halves, 0, ax, keepdims=False)
+        second = jnp.flip(jax.lax.index_in_dim(halves, 1, ax, keepdims=False), axis=ax)
+        return jnp.stack([first, second], axis=ax + 1).reshape(x.shape)
+    pairs = x.reshape(pre + (c, 2, L) + post)
+    first = jax.lax.index_in_dim(pairs, 0, ax + 1, keepdims=False)
+    second = jnp.flip(jax.lax.index_in_dim(pairs, 1, ax + 1, keepdims=False), axis=ax)
+    return jnp.concatenate([first, second], axis=ax).reshape(x.shape)
+
+
+def _apply(tree, mesh, axis: int, inverse: bool):
+    c = mesh_dims(mesh).c
+    if c == 1:
+        return tree
+    return jax.tree.map(lambda x: _permute(x, c, axis, inverse), tree)
+
+
+def reorder(tree, mesh, *, axis: int = 1):
+    """Puts every array of ``tree`` (sequence on ``axis``) into the balanced order."""
+    return _apply(tree, mesh, axis, inverse=False)
+
+
+def restore(tree, mesh, *, axis: int = 1):
+    """Inverse of :func:`reorder`: back to natural order."""
+    return _apply(tree, mesh, axis, inverse=True)
+
+
+def positions(seq_len: int, mesh) -> jax.Array:
+    """Global positions ``[seq_len]`` (int32) of the reordered sequence."""
+    dims = mesh_dims(mesh)
+    _check_len(seq_len, dims.c, dims.u)
+    return reorder(jnp.arange(seq_len, dtype=jnp.int32), mesh, axis=0)
+
+
+def work(mesh, seq_len: int, *, is_causal: bool, segment_ids=None, local_window_size=None,
+         balanced: bool) -> np.ndarray:
+    """Visible (query, key) pairs each CP device computes, shape ``[cp_colossal * cp_ulysses]``.
+
+    Device ``(i, j)`` attends the queries of colossal chunk ``i`` (in the given
+    order) for ``1/u`` of the heads, so it is charged ``pairs(chunk i) / u``.
+    ``segment_ids`` (``[S]`` or ``[B, S]``, natural order) are summed over the batch.
+    """
+    dims = mesh_dims(mesh)
+    if balanced:
+        _check_len(seq_len, dims.c, dims.u)
+    elif seq_len % dims.cp:
+        raise ValueError(f"seq_len={seq_len} is not divisible by cp_colossal*cp_ulysses={dims.cp}; pad the sequence.")
+    pos = jnp.arange(seq_len, dtype=jnp.int32)[None]
+    seg = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32).reshape(-1, seq_len)
+    if balanced:
+        pos, seg = reorder((pos, seg), mesh)
+    window = normalize_window(local_window_size)
+    chunk = seq_len // dims.c
+    pairs = []
+    for i in range(dims.c):
+        q = slice(i * chunk, (i + 1) * chunk)
+        mask = visible(pos[:, q], pos, None if seg is None else seg[:, q], seg, is_causal=is_causal, window=window)
+        pairs.append(float(mask.sum()))
+    return np.repeat(np.asarray(pairs) / dims.u, dims.u)

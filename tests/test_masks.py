@@ -1,0 +1,176 @@
+"""Positions, packed documents, windows and causal load balancing under every strategy."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_cp
+from jax_cp import load_balance as lb
+from jax_cp import reference
+from util import assert_close, assert_matches, random_qkv
+
+B, S, H, K, d = 2, 32, 8, 2, 8
+STRATEGIES = [(8, 1, 1), (1, 8, 1), (2, 4, 1), (4, 2, 1), (2, 2, 2), (4, 1, 2), (1, 4, 2)]
+
+
+def packed_segments(seed, batch, seq_len, max_docs=4, pad=True):
+    """Random document boundaries per row; a random tail of padding (segment -1)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(batch):
+        n_pad = int(rng.integers(0, seq_len // 4)) if pad else 0
+        cuts = np.sort(rng.choice(np.arange(1, seq_len - n_pad), size=rng.integers(0, max_docs), replace=False))
+        seg = np.zeros(seq_len, np.int32)
+        for c in cuts:
+            seg[c:] += 1
+        seg[seq_len - n_pad:] = -1
+        rows.append(seg)
+    return jnp.asarray(np.stack(rows))
+
+
+def packed_positions(seg):
+    """Positions restart at 0 in every document (as a packing pipeline gives them)."""
+    seg = np.asarray(seg)
+    pos = np.zeros_like(seg)
+    for b in range(seg.shape[0]):
+        for t in range(1, seg.shape[1]):
+            pos[b, t] = 0 if seg[b, t] != seg[b, t - 1] else pos[b, t - 1] + 1
+    return jnp.asarray(pos)
+
+
+def _cases():
+    combos = itertools.cycle(itertools.product(
+        (True, False),  # causal
+        (None, 3, (5, 0)),  # window
+        (True, False),  # balanced order
+    ))
+    for i, cut in enumerate(STRATEGIES):
+        for _ in range(2):
+            causal, window, balanced = next(combos)
+            yield cut, causal, window, balanced, jnp.bfloat16 if i == 3 else jnp.float32
+
+
+@pytest.mark.parametrize("cut,causal,window,balanced,dtype", list(_cases()))
+def test_packed_windows_balanced(cut, causal, window, balanced, dtype):
+    c, u, t = cut
+    mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
+    q, k, v, ct = random_qkv(B, S, H, K, d, dtype, seed=c * 10 + u)
+    seg = packed_segments(c + 7 * u, B, S)
+    pos = packed_positions(seg)
+    if balanced:
+        q, k, v, ct, seg, pos = lb.reorder((q, k, v, ct, seg, pos), mesh)
+    kw = dict(is_causal=causal, local_window_size=window, segment_ids=seg, positions=pos)
+    f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, **kw)
+    ref = lambda q, k, v: reference.dot_product_attention(q, k, v, **kw)
+    assert_matches(f, ref, (q, k, v), ct, dtype, f"{cut=} {causal=} {window=} {balanced=}")
+
+
+@pytest.mark.parametrize("cut", [(4, 2, 1), (2, 2, 2), (8, 1, 1)])
+def test_balanced_then_restored_equals_natural(cut):
+    c, u, t = cut
+    mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
+    q, k, v, _ = random_qkv(B, S, H, K, d, seed=3)
+    natural = jax.jit(lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True))(q, k, v)
+    pos = lb.positions(S, mesh)
+    balanced = jax.jit(lambda q, k, v: jax_cp.dot_product_attention(
+        q, k, v, mesh=mesh, is_causal=True, positions=pos))(*lb.reorder((q, k, v), mesh))
+    np.testing.assert_allclose(lb.restore(balanced, mesh), natural, atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(pos, lb.reorder(jnp.arange(S), mesh, axis=0))
+
+
+def test_reorder_restore_identity_and_layout():
+    mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
+    np.testing.assert_array_equal(lb.reorder(jnp.arange(16), mesh, axis=0),
+                                  [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9])
+    tree = {"tokens": jnp.arange(2 * 32).reshape(2, 32), "x": jnp.arange(2 * 32 * 3.0).reshape(2, 32, 3)}
+    back = lb.restore(lb.reorder(tree, mesh), mesh)
+    jax.tree.map(np.testing.assert_array_equal, back, tree)
+    np.testing.assert_array_equal(lb.restore(lb.reorder(tree["x"], mesh, axis=-2), mesh, axis=-2), tree["x"])
+    uly = jax_cp.make_mesh(cp_ulysses=8)
+    np.testing.assert_array_equal(lb.reorder(tree["tokens"], uly), tree["tokens"])  # no-op for Ulysses
+    # reshape/reverse/concatenate only: no gather in the compiled program.
+    hlo = jax.jit(lambda t: lb.reorder(t, mesh)).lower(tree["x"]).as_text()
+    assert "gather" not in hlo
+
+
+def test_work_balance():
+    mesh = jax_cp.make_mesh(cp_colossal=8)
+    on = lb.work(mesh, 4096, is_causal=True, balanced=True)
+    off = lb.work(mesh, 4096, is_causal=True, balanced=False)
+    assert on.shape == (8,) and on.max() / on.min() <= 1.05
+    assert 14 < off.max() / off.min() < 16
+    assert on.sum() == off.sum() == 4096 * 4097 / 2
+    full = lb.work(mesh, 256, is_causal=False, balanced=False)
+    np.testing.assert_array_equal(full, 256 * 256 / 8)
+    hybrid = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=4)
+    w = lb.work(hybrid, 512, is_causal=True, balanced=True, local_window_size=64,
+                segment_ids=packed_segments(0, 1, 512, pad=False))
+    assert w.shape == (8,) and np.all(w > 0)
+
+
+def test_fully_padded_rows_zero_and_no_nan():
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    q, k, v, ct = random_qkv(B, S, H, K, d, seed=5)
+    seg = jnp.where(jnp.arange(S) >= S - 8, -1, 0)[None].repeat(B, 0)
+    f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, segment_ids=seg)
+    out, vjp = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v))(q, k, v)
+    dq, dk, dv = vjp(ct)
+    for a in (out, dq, dk, dv):
+        assert bool(jnp.isfinite(a).all())
+    np.testing.assert_array_equal(out[:, -8:], 0)
+    np.testing.assert_array_equal(dq[:, -8:], 0)
+    np.testing.assert_array_equal(dk[:, -8:], 0)
+    assert float(jnp.abs(out[:, :-8]).min(initial=1.0)) >= 0 and float(jnp.abs(out[:, :-8]).max()) > 0
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+def test_causality_by_gradient(balanced):
+    """d y[p] / d x[p'] is exactly zero for every p' after p (module, hybrid tp mesh)."""
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    attn = jax_cp.CPAttention(16, 8, num_kv_heads=2, mesh=mesh, is_causal=True, rope_theta=10_000.0,
+                              rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (2, S, 16))
+    pos = jnp.arange(S)
+    if balanced:
+        x, pos = lb.reorder(x, mesh), lb.positions(S, mesh)
+    p_natural = 13
+    p_row = int(np.flatnonzero(np.asarray(pos) == p_natural)[0])
+    g = jax.jit(jax.grad(lambda x: attn(x, positions=pos)[:, p_row].sum()))(x)
+    later = np.asarray(pos) > p_natural
+    np.testing.assert_array_equal(np.asarray(g)[:, later], 0.0)
+    assert np.abs(np.asarray(g)[:, ~later]).sum() > 0
+
+
+def test_module_packed_window_matches_reference():
+    mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
+    kw = dict(num_kv_heads=2, is_causal=True, rope_theta=10_000.0)
+    cp = jax_cp.CPAttention(16, 8, mesh=mesh, overlap_chunks=2, rngs=nnx.Rngs(0), **kw)
+    ref = reference.Attention(16, 8, rngs=nnx.Rngs(0), **kw)
+    seg = packed_segments(11, 2, S)
+    x, seg, pos = lb.reorder((jax.random.normal(jax.random.key(1), (2, S, 16)), seg, packed_positions(seg)), mesh)
+    call = dict(positions=pos, segment_ids=seg, local_window_size=(6, 0))
+    assert_close(jax.jit(lambda x: cp(x, **call))(x), ref(x, **call), jnp.float32)
+
+
+def test_metadata_errors():
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    q, k, v, _ = random_qkv(B, S, H, K, d)
+    attn = lambda **kw: jax_cp.dot_product_attention(q, k, v, mesh=mesh, **kw)
+    with pytest.raises(ValueError, match=r"positions.shape=\(2, 16\) must be \(seq_len,\)=\(32,\) or \(batch, seq_len\)"):
+        attn(positions=jnp.zeros((2, 16), jnp.int32))
+    with pytest.raises(ValueError, match=r"positions.dtype=float32 must be an integer dtype"):
+        attn(positions=jnp.zeros((S,), jnp.float32))
+    with pytest.raises(ValueError, match=r"segment_ids.shape=\(3, 32\)"):
+        attn(segment_ids=jnp.zeros((3, S), jnp.int32))
+    with pytest.raises(ValueError, match=r"local_window_size=\(2, -1\) is negative"):
+        attn(local_window_size=(2, -1))
+    with pytest.raises(ValueError, match=r"local_window_size='wide' must be None, an int, or a \(left, right\)"):
+        attn(local_window_size="wide")
+    big = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
+    with pytest.raises(ValueError, match=r"seq_len=12 is not divisible by 2\*cp_colossal=8"):
+        lb.positions(12, big)
+    with pytest.raises(ValueError, match=r"array.shape\[1\]=12 is not divisible by 2\*cp_colossal=8"):
+        lb.reorder(jnp.zeros((2, 12)), big)
