@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_cp._masks import normalize_window, visible
-from jax_cp._mesh import mesh_dims
+from jax_cp._mesh import is_explicit, mesh_dims
 
 __all__ = ["reorder", "restore", "positions", "work"]
 
@@ -47,11 +47,20 @@ def _permute(x, c: int, axis: int, inverse: bool):
     return jnp.concatenate([first, second], axis=ax).reshape(x.shape)
 
 
+def _permute_any(x, c: int, axis: int, inverse: bool):
+    """Explicitly sharded arrays are permuted in auto mode and keep their sharding."""
+    sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and is_explicit(mesh) and any(p is not None for p in sharding.spec):
+        return jax.sharding.auto_axes(lambda a: _permute(a, c, axis, inverse), out_sharding=sharding)(x)
+    return _permute(x, c, axis, inverse)
+
+
 def _apply(tree, mesh, axis: int, inverse: bool):
     c = mesh_dims(mesh).c
     if c == 1:
         return tree
-    return jax.tree.map(lambda x: _permute(x, c, axis, inverse), tree)
+    return jax.tree.map(lambda x: _permute_any(x, c, axis, inverse), tree)
 
 
 def reorder(tree, mesh, *, axis: int = 1):
