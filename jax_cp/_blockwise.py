@@ -124,17 +124,20 @@ def _merge(x, batch_axis: int = 1):
     return x.reshape(*x.shape[:batch_axis], -1, *x.shape[batch_axis + 2:])
 
 
+def vma(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over inside ``jax.shard_map`` (empty outside)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; older releases call it ``vma``
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
 def _varying(refs, *xs):
     """Marks fresh loop carries as varying over the manual mesh axes the inputs vary over.
 
     Inside ``jax.shard_map`` loop carries must keep one type; zeros start out
     invariant while the updates vary with the data.
     """
-    axes = set()
-    for r in jax.tree.leaves(refs):
-        aval = jax.typeof(r)
-        mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; older releases call it ``vma``
-        axes |= set(mat.varying if mat is not None else getattr(aval, "vma", ()))
+    axes = frozenset().union(*(vma(r) for r in jax.tree.leaves(refs)))
     if not axes:
         return xs
     return tuple(lax.pcast(x, tuple(sorted(axes)), to="varying") for x in xs)

@@ -11,11 +11,15 @@ Letters: B batch, T queries, S keys, H query heads, K kv heads, d head dim.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jax_cp._blockwise import vma as _vma
 
 __all__ = ["splash_attention", "splash_unsupported_reason", "LANES"]
 
@@ -91,9 +95,55 @@ def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, *, T, S, is_causal, in
                           block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
     fwd, dq, dkv = _mask_info(block_mask, j_next), _mask_info(block_mask, j_next), _mask_info(block_mask, i_next)
     fwd, dq, dkv = (m._replace(q_sequence=hi) for m in (fwd, dq, dkv))
-    kernel = sa.splash_attention_kernel.SplashAttentionKernel(fwd, dq, dkv, **_kernel_kwargs(sizes, interpret))
+    static = tuple(sorted({**_kernel_kwargs(sizes, interpret), "save_residuals": False}.items()))
     segment_ids = None if qseg is None else sa.SegmentIds(q=qseg0, kv=kseg_s)
-    return kernel(q_HTd, k_KSd, v_KSd, segment_ids=segment_ids), has_key
+    return _unchecked_call(static, (fwd, dq, dkv), q_HTd, k_KSd, v_KSd, segment_ids), has_key
+
+
+def _no_vma_check():
+    """Splash's ``pallas_call`` declares outputs without manual-axis types, which
+    ``shard_map(check_vma=True)`` rejects; trace the kernel itself unchecked.
+
+    We call splash's own forward/backward halves (private, pinned to the
+    installed jax) in our ``custom_vjp`` and retype the results as varying
+    over the inputs' axes, so outside the kernel the checks stay on."""
+    from jax._src import config
+
+    state = getattr(config, "_check_vma", None)
+    return state(False) if state is not None else contextlib.nullcontext()
+
+
+def _vary_as(x, *refs):
+    """``x`` retyped to vary over the manual axes the ``refs`` vary over (no data movement)."""
+    want, have = frozenset().union(*map(_vma, refs)), _vma(x)
+    return lax.pcast(x, tuple(sorted(want - have)), to="varying") if want - have else x
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _unchecked_call(static, infos, q, k, v, segment_ids):
+    return _unchecked_fwd(static, infos, q, k, v, segment_ids)[0]
+
+
+def _unchecked_fwd(static, infos, q, k, v, segment_ids):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
+
+    with _no_vma_check():
+        o, res = ska._splash_attention_fwd(*infos, q, k, v, segment_ids, None, **dict(static))
+    return _vary_as(o, q, k, v), (res, q, k, v, infos, segment_ids)
+
+
+def _unchecked_bwd(static, res, do):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
+
+    res, q, k, v, infos, segment_ids = res
+    with _no_vma_check():
+        grads = ska._splash_attention_bwd(**dict(static), res=res, do=do)
+    dq, dk, dv = grads[3:6]
+    none = lambda t: jax.tree.map(lambda _: None, t)
+    return none(infos), _vary_as(dq, q), _vary_as(dk, k), _vary_as(dv, v), none(segment_ids)
+
+
+_unchecked_call.defvjp(_unchecked_fwd, _unchecked_bwd)
 
 
 def _below_bound(q_ids, kv_ids):
@@ -139,6 +189,14 @@ def splash_attention(
     reason = splash_unsupported_reason(window=local_window_size)
     if reason:
         raise ValueError(f"kernel='splash': {reason}; use kernel='blockwise' (or 'auto').")
+    return _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                       is_causal=bool(is_causal), scale=scale, interpret=bool(interpret))
+
+
+@partial(jax.jit, static_argnames=("is_causal", "scale", "interpret"))
+def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids, kv_segment_ids, *,
+                is_causal, scale, interpret):
+    """Jitted so that eager ``shard_map`` sees one primitive (the kernel is traced unchecked inside)."""
     B, T, H, d = q_BTHd.shape
     S = k_BSKd.shape[1]
     scale = d**-0.5 if scale is None else scale
