@@ -13,12 +13,12 @@ from jax_cp.plan._analyze import STRATEGIES, analyze, get_topology, kv_exchanges
 from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
 from jax_cp.plan._chips import CHIPS, Chip, chip_for
 from jax_cp.plan._flags import FLAG_ENV, apply_recommended_flags, recommended_xla_flags
-from jax_cp.plan._hlo import CP_KINDS, Collective, Schedule, analyze_schedule
+from jax_cp.plan._hlo import Collective, Schedule, analyze_schedule
 from jax_cp.plan._models import MODELS, ModelSpec
 from jax_cp.plan._report import Analysis, Estimate, Memory, Report
 
 __all__ = [
-    "Analysis", "CHIPS", "CP_KINDS", "Chip", "Collective", "Estimate", "FLAG_ENV", "LayerShape", "MODELS",
+    "Analysis", "CHIPS", "Chip", "Collective", "Estimate", "FLAG_ENV", "LayerShape", "MODELS",
     "Memory", "ModelSpec", "Report", "STRATEGIES", "Schedule", "analyze", "analyze_schedule",
     "apply_recommended_flags", "chip_for", "cp_layer", "get_topology", "kv_exchanges", "naive_layer",
     "recommended_xla_flags",

@@ -9,6 +9,7 @@ Letters: B batch, S sequence, D model width, H query heads, K kv heads, d head d
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import jax
@@ -36,11 +37,22 @@ def kv_exchanges() -> tuple[str, ...]:
     return tuple(KV_EXCHANGES)
 
 
+def _allow_shared_libtpu() -> None:
+    """Lets several compile-only processes load libtpu at once (it takes a machine-wide lock otherwise).
+
+    Only when this process will not run on TPU (``JAX_PLATFORMS`` set without ``tpu``).
+    """
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and "tpu" not in platforms:
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
 def get_topology(name: str):
     """TPU topology description for ``name`` (e.g. ``"v5e:4x4"``), with the recommended flags applied first."""
     chip_for(name)  # a clear error for unknown chips before libtpu is asked
     if name not in _TOPOLOGIES:
         if not _FLAGS_IN_EFFECT:
+            _allow_shared_libtpu()
             apply_recommended_flags("tpu")
             _FLAGS_IN_EFFECT.append(flag_string("tpu"))
         from jax.experimental import topologies

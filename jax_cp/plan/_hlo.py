@@ -15,7 +15,8 @@ scheduled between its start and its done. Async forms recognised:
 
 A collective in a scheduled computation (or a plain fusion) is synchronous.
 Backward collectives are those JAX named under ``transpose(...)`` in the op
-metadata; the rest are forward.
+metadata (for ops the compiler created without metadata: those fed by such
+ops); the rest are forward.
 """
 from __future__ import annotations
 
@@ -26,10 +27,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["Instr", "Collective", "Schedule", "parse_module", "analyze_schedule", "COLLECTIVE_KINDS", "CP_KINDS"]
+__all__ = ["Instr", "Collective", "Schedule", "parse_module", "analyze_schedule", "COLLECTIVE_KINDS"]
 
 COLLECTIVE_KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
-CP_KINDS = ("all-to-all", "all-gather", "reduce-scatter", "collective-permute")
 PHASES = ("fwd", "bwd")
 
 _DTYPE_BITS = {
@@ -176,6 +176,7 @@ class Collective:
     is_async: bool
     compute_inside: tuple[str, ...]  # compute ops scheduled between start and done
     op_name: str = ""
+    to_output: bool = False  # its result only flows into the program's outputs (a gradient reduction)
 
     def __post_init__(self):
         if self.kind not in COLLECTIVE_KINDS:
@@ -207,8 +208,13 @@ class Schedule:
     cp_axes: tuple[str, ...] = ("cp_colossal", "cp_ulysses")
 
     def is_cp(self, c: Collective) -> bool:
-        """A context-parallel exchange: a CP kind over CP mesh axes only."""
-        return c.kind in CP_KINDS and bool(c.axes) and set(c.axes) <= set(self.cp_axes)
+        """A context-parallel exchange: over CP mesh axes only, and feeding further compute.
+
+        Excluded: collectives whose result goes straight to the program outputs
+        (the gradient sum of parameters replicated over the CP axes, which a
+        training step reduces once, under the next layer's backward).
+        """
+        return bool(c.axes) and set(c.axes) <= set(self.cp_axes) and not c.to_output
 
     def select(self, phase: str | None = None, *, cp_only: bool = True) -> tuple[Collective, ...]:
         return tuple(
@@ -308,6 +314,40 @@ def _phase(op_name: str) -> str:
     return "bwd" if "transpose(" in op_name else "fwd"
 
 
+_PASS_TO_OUTPUT = ("get-tuple-element", "tuple", "bitcast", "copy", "convert", "reshape", "all-reduce-done",
+                   "async-done", "copy-start", "copy-done")
+
+
+def _output_feeders(instrs: list[Instr]) -> set[str]:
+    """Instructions whose value reaches the ROOT only through reshapes, converts and tuples."""
+    users: dict[str, list[Instr]] = {}
+    for i in instrs:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    feeders = {instrs[-1].name} if instrs else set()
+    for i in reversed(instrs):
+        us = users.get(i.name, [])
+        if us and all(u.name in feeders and (u.opcode in _PASS_TO_OUTPUT or u is instrs[-1]) for u in us):
+            feeders.add(i.name)
+    return feeders
+
+
+def _phase_from_producers(names: dict[str, Instr], start: Instr, depth: int = 6) -> str:
+    """For ops without metadata: backward if any producer within ``depth`` steps is."""
+    frontier, seen = list(start.operands), set()
+    for _ in range(depth):
+        nxt = []
+        for o in frontier:
+            if o in seen or o not in names:
+                continue
+            seen.add(o)
+            if "transpose(" in names[o].op_name:
+                return "bwd"
+            nxt += names[o].operands
+        frontier = nxt
+    return "fwd"
+
+
 def analyze_schedule(
     text: str, *, mesh_shape: Sequence[int], axis_names: Sequence[str],
     cp_axes: Iterable[str] = ("cp_colossal", "cp_ulysses"),
@@ -375,15 +415,21 @@ def _collectives_of(mod, comp, mesh_shape, axis_names) -> list[Collective]:
         or (i.opcode in ("fusion", "call", "while", "conditional") and any(mod.contains(c, "compute") for c in i.called))
         for i in instrs
     ]
+    feeders = _output_feeders(instrs)
     out = []
     for pos, i in enumerate(instrs):
         role = _classify(mod, i)
         if role == "start":
             end = done_at.get(i.name, len(instrs))
             inside = tuple(instrs[k].name for k in range(pos + 1, end) if is_compute[k])
-            out.append(_describe(mod, comp, i, names, instrs, end, inside, True, mesh_shape, axis_names))
+            c = _describe(mod, comp, i, names, instrs, end, inside, True, mesh_shape, axis_names)
+            result = instrs[end].name if end < len(instrs) else i.name
         elif role == "sync":
-            out.append(_describe(mod, comp, i, names, instrs, pos, (), False, mesh_shape, axis_names))
+            c = _describe(mod, comp, i, names, instrs, pos, (), False, mesh_shape, axis_names)
+            result = i.name
+        else:
+            continue
+        out.append(dataclasses.replace(c, to_output=result in feeders))
     return out
 
 
@@ -400,9 +446,10 @@ def _describe(mod, comp, i, names, instrs, done_pos, inside, is_async, mesh_shap
         out_shape = instrs[done_pos].shape  # the done's result, not the start's tuple
     groups = _groups(core.attrs)
     op_name = core.op_name or i.op_name
+    phase = _phase(op_name) if op_name else _phase_from_producers(names, i)
     return Collective(
         name=i.name, kind=_kind(core.opcode), axes=_axes(groups, mesh_shape, axis_names),
         group_size=max((len(g) for g in groups), default=1) if core.opcode != "collective-permute" else 2,
-        bytes=max(in_bytes, array_bytes(out_shape)), phase=_phase(op_name), is_async=is_async,
+        bytes=max(in_bytes, array_bytes(out_shape)), phase=phase, is_async=is_async,
         compute_inside=inside, op_name=op_name,
     )

@@ -1,0 +1,229 @@
+"""The pod planner: HLO schedule parser, flags, chips, reports on a small TPU topology, auto choice, CLI.
+
+TPU programs are compiled ahead of time with the libtpu wheel's compiler
+(``v5e:2x4``, a tiny layer); no TPU is needed.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jax_cp import plan
+from jax_cp.plan import _hlo
+
+pytest.importorskip("libtpu", reason="the planner compiles with the libtpu wheel's TPU compiler")
+
+TOPO = "v5e:2x4"
+SMALL = dict(topology=TOPO, model="tiny", seq_len=512, batch=1, kernel="blockwise")
+
+# Mesh (dp=1, cp_colossal=2, cp_ulysses=2, tp=2): device i sits at unravel_index(i, (1, 2, 2, 2)).
+HLO = """HloModule jit_step, is_scheduled=true
+
+%fused_matmul (p0: bf16[8,16], p1: bf16[16,16]) -> bf16[8,16] {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  %p1 = bf16[16,16]{1,0} parameter(1)
+  ROOT %convolution.1 = bf16[8,16]{1,0} convolution(%p0, %p1), dim_labels=bf_io->bf
+}
+
+%ag_start_comp (p0.1: bf16[4,16]) -> (bf16[4,16], bf16[8,16], u32[]) {
+  %p0.1 = bf16[4,16]{1,0} parameter(0)
+  %all-gather.1 = bf16[8,16]{1,0} all-gather(%p0.1), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}, metadata={op_name="jit(step)/jvp()/shard_map/all_gather"}
+  ROOT %custom-call.1 = (bf16[4,16]{1,0}, bf16[8,16]{1,0}, u32[]) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%async_collective_fusion.7 (p0.2: bf16[4,16], p1.2: bf16[8,16], p2.2: bf16[8,16], p3.2: bf16[16,16]) -> (bf16[8,16], bf16[4,16], bf16[8,16]) {
+  %p0.2 = bf16[4,16]{1,0} parameter(0)
+  %p1.2 = bf16[8,16]{1,0} parameter(1)
+  %p2.2 = bf16[8,16]{1,0} parameter(2)
+  %p3.2 = bf16[16,16]{1,0} parameter(3)
+  %convolution.2 = bf16[8,16]{1,0} convolution(%p2.2, %p3.2), dim_labels=bf_io->bf
+  %all-gather.2 = bf16[8,16]{1,0} all-gather(%p0.2), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}
+  ROOT %tuple.2 = (bf16[8,16]{1,0}, bf16[4,16]{1,0}, bf16[8,16]{1,0}) tuple(%convolution.2, %p0.2, %all-gather.2)
+}
+
+%ag_done_comp (p0.3: bf16[4,16], p1.3: bf16[8,16]) -> bf16[8,16] {
+  %p0.3 = bf16[4,16]{1,0} parameter(0)
+  %p1.3 = bf16[8,16]{1,0} parameter(1)
+  %all-gather.3 = bf16[8,16]{1,0} all-gather(%p0.3), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}
+  ROOT %custom-call.3 = bf16[8,16]{1,0} custom-call(%p0.3, %p1.3, %all-gather.3), custom_call_target="AsyncCollectiveDone"
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: bf16[8,16], w: bf16[16,16], s: bf16[4,16], g: f32[8,16]) -> (f32[4,16], f32[8,16], bf16[8,16]) {
+  %x = bf16[8,16]{1,0} parameter(0), metadata={op_name="x"}
+  %w = bf16[16,16]{1,0} parameter(1), metadata={op_name="w"}
+  %s = bf16[4,16]{1,0} parameter(2)
+  %g = f32[8,16]{1,0} parameter(3)
+  %all-to-all-start = ((bf16[8,16]{1,0}), bf16[8,16]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) all-to-all-start(%x), channel_id=2, replica_groups={{0,2},{1,3},{4,6},{5,7}}, dimensions={0}, metadata={op_name="jit(step)/jvp()/shard_map/all_to_all"}
+  %fusion.1 = bf16[8,16]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_matmul, metadata={op_name="jit(step)/jvp()/dot_general"}
+  %all-to-all-done = bf16[8,16]{1,0} all-to-all-done(%all-to-all-start), metadata={op_name="jit(step)/jvp()/shard_map/all_to_all"}
+  %all-to-all-start.1 = ((bf16[8,16]{1,0}), bf16[8,16]{1,0}, u32[], u32[]) all-to-all-start(%fusion.1), channel_id=3, replica_groups=[4,2]<=[2,2,2]T(0,2,1), dimensions={0}, metadata={op_name="jit(step)/transpose(jvp())/shard_map/all_to_all"}
+  %all-to-all-done.1 = bf16[8,16]{1,0} all-to-all-done(%all-to-all-start.1)
+  %async-collective-start = (bf16[4,16]{1,0}, bf16[8,16]{1,0}, u32[]) fusion(%s), kind=kCustom, calls=%ag_start_comp
+  %get-tuple-element.1 = bf16[4,16]{1,0} get-tuple-element(%async-collective-start), index=0
+  %get-tuple-element.2 = bf16[8,16]{1,0} get-tuple-element(%async-collective-start), index=1
+  %fusion.2 = (bf16[8,16]{1,0}, bf16[4,16]{1,0}, bf16[8,16]{1,0}) fusion(%get-tuple-element.1, %get-tuple-element.2, %all-to-all-done, %w), kind=kOutput, calls=%async_collective_fusion.7
+  %get-tuple-element.3 = bf16[4,16]{1,0} get-tuple-element(%fusion.2), index=1
+  %get-tuple-element.4 = bf16[8,16]{1,0} get-tuple-element(%fusion.2), index=2
+  %async-collective-done = bf16[8,16]{1,0} fusion(%get-tuple-element.3, %get-tuple-element.4), kind=kCustom, calls=%ag_done_comp
+  %reduce-scatter.1 = f32[4,16]{1,0} reduce-scatter(%g), channel_id=4, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}, to_apply=%add, metadata={op_name="jit(step)/transpose(jvp())/shard_map/reduce_scatter"}
+  %all-reduce.1 = f32[8,16]{1,0} all-reduce(%g), channel_id=5, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %fusion.3 = bf16[8,16]{1,0} fusion(%async-collective-done, %w), kind=kOutput, calls=%fused_matmul
+  ROOT %tuple = (f32[4,16]{1,0}, f32[8,16]{1,0}, bf16[8,16]{1,0}) tuple(%reduce-scatter.1, %all-reduce.1, %fusion.3)
+}
+"""
+MESH = dict(mesh_shape=(1, 2, 2, 2), axis_names=("dp", "cp_colossal", "cp_ulysses", "tp"))
+
+
+def test_parser_on_hand_written_hlo():
+    s = plan.analyze_schedule(HLO, **MESH)
+    got = {c.name: c for c in s.collectives}
+    assert list(got) == ["all-to-all-start", "all-to-all-start.1", "async-collective-start", "reduce-scatter.1",
+                         "all-reduce.1"]
+    a2a, a2a_bwd, ag, rs, ar = got.values()
+    # A matmul fusion between start and done: hidden. Nothing between: exposed.
+    assert (a2a.kind, a2a.axes, a2a.bytes, a2a.phase, a2a.overlapped) == (
+        "all-to-all", ("cp_ulysses",), 8 * 16 * 2, "fwd", True)
+    assert a2a.compute_inside == ("fusion.1",)
+    assert (a2a_bwd.axes, a2a_bwd.phase, a2a_bwd.is_async, a2a_bwd.overlapped) == (("cp_ulysses",), "bwd", True, False)
+    # TPU async collective fusion: start/continuation/done fusions, a convolution in the continuation.
+    assert (ag.kind, ag.axes, ag.bytes, ag.is_async, ag.overlapped, ag.compute_inside) == (
+        "all-gather", ("cp_colossal",), 8 * 16 * 2, True, True, ("fusion.2",))
+    # A collective left in the entry computation is synchronous; transpose(...) marks backward.
+    assert (rs.kind, rs.axes, rs.bytes, rs.phase, rs.is_async) == ("reduce-scatter", ("cp_colossal",), 8 * 16 * 4, "bwd", False)
+    # A reduction that only feeds the outputs (a parameter gradient) is not a CP exchange.
+    assert ar.axes == ("cp_colossal", "cp_ulysses", "tp") and ar.to_output and not s.is_cp(ar)
+    assert rs.to_output and not s.is_cp(rs) and not ag.to_output and s.is_cp(ag)
+    # Overlap fraction = overlapped bytes / all CP bytes, per phase.
+    assert s.overlap_fraction("fwd") == 1.0
+    assert s.overlap_fraction("bwd") == 0.0
+    assert s.overlap_fraction() == pytest.approx((256 + 256) / (256 + 256 + 256))
+
+
+def test_parser_iota_replica_groups_and_shapes():
+    groups = _hlo._groups("replica_groups=[4,2]<=[2,2,2]T(0,2,1), dimensions={0}")
+    assert groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert _hlo._axes(groups, (1, 2, 2, 2), MESH["axis_names"]) == ("cp_ulysses",)
+    assert _hlo.array_bytes("(bf16[2,3]{1,0:T(8,128)(2,1)}, f32[4], u32[])") == 12 + 16 + 4
+    with pytest.raises(ValueError, match="no ENTRY computation"):
+        plan.analyze_schedule("HloModule m\n", **MESH)
+    with pytest.raises(ValueError, match="differ in length"):
+        plan.analyze_schedule(HLO, mesh_shape=(2, 4), axis_names=("dp",))
+
+
+def test_recommended_flags():
+    tpu = plan.recommended_xla_flags("tpu")
+    assert "--xla_tpu_enable_async_all_to_all=true" in tpu
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in plan.recommended_xla_flags("gpu")
+    env = {"LIBTPU_INIT_ARGS": "--xla_tpu_enable_async_all_to_all=false --my_flag=1"}
+    value = plan.apply_recommended_flags("tpu", environ=env)
+    assert value.startswith("--xla_tpu_enable_async_all_to_all=false --my_flag=1 ")  # the user's choice wins
+    assert value.count("xla_tpu_enable_async_all_to_all") == 1 and "--xla_enable_async_all_gather=true" in value
+    with pytest.raises(ValueError, match="platform='cuda' must be one of"):
+        plan.recommended_xla_flags("cuda")
+
+
+def test_gpu_flags_are_known_to_xla():
+    """XLA aborts on unknown XLA_FLAGS; the GPU flags parse in this jaxlib (the TPU ones in libtpu, below)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(plan.recommended_xla_flags("gpu")))
+    out = subprocess.run([sys.executable, "-c", "import jax; print(len(jax.devices()))"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_chips():
+    assert plan.chip_for("v5e:4x4").bf16_flops == 197e12
+    assert plan.chip_for("v5p:4x4x4").device_hbm_bytes == 95 * 2**30
+    assert plan.chip_for("v4:2x2x1").device_flops == 275e12 / 2  # JAX shows the two v4 cores as devices
+    with pytest.raises(ValueError, match="unknown chip 'v9z'"):
+        plan.chip_for("v9z:2x2")
+
+
+# One report per strategy, shared by the tests below (each compiles the layer and the baseline once).
+LAYOUTS = {"ulysses": (1, 4, 2), "all_gather": (4, 1, 2), "hybrid": (2, 2, 2)}
+_REPORTS = {}
+
+
+def report(name):
+    if name not in _REPORTS:
+        c, u, t = LAYOUTS[name]
+        _REPORTS[name] = plan.analyze(cp_colossal=c, cp_ulysses=u, tp=t, **SMALL)
+    return _REPORTS[name]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_report_memory_collectives_overlap(name):
+    r = report(name)
+    assert r.mesh_shape == dict(zip(("dp", "cp_colossal", "cp_ulysses", "tp"), (1, *LAYOUTS[name])))
+    for a in (r.analysis, r.baseline):
+        m = a.memory
+        assert min(m.arguments, m.outputs, m.total) > 0 and m.temporaries >= 0
+        assert m.fits and m.budget == 16 * 2**30
+        assert a.flops > 0 and a.estimate.step_s > 0
+        cp = a.schedule.select()
+        assert cp, "a CP layout must have CP collectives"
+        kinds_axes = {(c.kind, c.axes) for c in cp}
+        if name == "ulysses":  # no K/V exchange: nothing over cp_colossal
+            assert all(c.axes == ("cp_ulysses",) for c in cp)
+            assert ("all-to-all", ("cp_ulysses",)) in kinds_axes
+        if name == "all_gather":
+            assert not any(c.kind == "all-to-all" for c in a.schedule.collectives)
+            assert ("all-gather", ("cp_colossal",)) in kinds_axes
+        if name == "hybrid":
+            assert {("all-to-all", ("cp_ulysses",)), ("all-gather", ("cp_colossal",))} <= kinds_axes
+        assert {c.phase for c in cp} == {"fwd", "bwd"}
+        for phase in ("fwd", "bwd"):
+            sel = a.schedule.select(phase)
+            expected = sum(c.bytes for c in sel if c.overlapped) / sum(c.bytes for c in sel)
+            assert a.overlap(phase) == pytest.approx(expected)
+            assert 0.0 <= a.overlap(phase) <= 1.0
+    text = str(r)
+    for needle in ("memory: total (peak)", "overlap fraction fwd", "overlap fraction bwd", "ESTIMATED step time",
+                   "naive fused QKV", "cp_ulysses" if name != "all_gather" else "cp_colossal"):
+        assert needle in text
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(topology="v9z:2x2"), "unknown chip 'v9z'"),
+    (dict(topology="v5e:3x3"), "not a TPU topology libtpu knows"),
+    (dict(model="gpt-17"), "model='gpt-17' is unknown"),
+    (dict(cp_ulysses=3), r"cp_colossal\*cp_ulysses\*tp=1\*3\*1=3 does not divide the topology's 8 devices"),
+    (dict(cp_ulysses=0), "cp_ulysses=0 must be a positive integer"),
+    (dict(cp_ulysses=2, batch=3), "batch=3 is not divisible by dp=4"),
+    (dict(cp_ulysses=1, tp=8, overlap_chunks=2), r"num_heads=8 is not divisible by tp\*cp_ulysses\*overlap_chunks=8\*1\*2"),
+    (dict(strategy="greedy"), "strategy='greedy' must be one of"),
+    (dict(cp_ulysses=1, cp_colossal=8, kv_exchange="carrier_pigeon"), "kv_exchange='carrier_pigeon' must be one of"),
+])
+def test_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan.analyze(**{**SMALL, "cp_ulysses": 8, **kwargs})
+
+
+def test_auto_strategy_chooses_and_explains():
+    r = plan.analyze(strategy="auto", candidates=1, **SMALL)
+    m = r.mesh_shape
+    assert m["dp"] * m["cp_colossal"] * m["cp_ulysses"] * m["tp"] == 8
+    assert r.layer.kv_exchange in plan.kv_exchanges() and r.layer.overlap_chunks in (1, 2)
+    assert any(x.startswith("chosen: ") for x in r.reasons) and any("compiled (" in x for x in r.reasons)
+    assert r.analysis.memory.fits and r.baseline is not None
+    assert "strategy=auto:" in str(r)
+    with pytest.raises(ValueError, match="no compiled layout fits memory_budget=1024 bytes"):
+        plan.analyze(strategy="auto", candidates=1, memory_budget=1024, baseline=False, **SMALL)
+
+
+def test_cli_prints_the_report():
+    cmd = [sys.executable, "-m", "jax_cp.plan", "--topology", TOPO, "--model", "tiny", "--seq-len", "512",
+           "--cp-ulysses", "4", "--tp", "2", "--kernel", "blockwise"]
+    out = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for needle in ("jax_cp plan: v5e:2x4", "overlap fraction fwd", "ESTIMATED step time", "all-to-all"):
+        assert needle in out.stdout
+    bad = subprocess.run([*cmd[:7], "--seq-len", "512", "--cp-ulysses", "3"],
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "does not divide the topology's 8 devices" in bad.stderr
