@@ -61,7 +61,8 @@ ENTRY %main (x: bf16[8,16], w: bf16[16,16], s: bf16[4,16], g: f32[8,16]) -> (f32
   %s = bf16[4,16]{1,0} parameter(2)
   %g = f32[8,16]{1,0} parameter(3)
   %all-to-all-start = ((bf16[8,16]{1,0}), bf16[8,16]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) all-to-all-start(%x), channel_id=2, replica_groups={{0,2},{1,3},{4,6},{5,7}}, dimensions={0}, metadata={op_name="jit(step)/jvp()/shard_map/all_to_all"}
-  %fusion.1 = bf16[8,16]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_matmul, metadata={op_name="jit(step)/jvp()/dot_general"}
+  %fusion.1 = bf16[8,16]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_matmul, backend_config={"note":"{\"a\": 1,
+}}, metadata={op_name="jit(step)/jvp()/dot_general"}
   %all-to-all-done = bf16[8,16]{1,0} all-to-all-done(%all-to-all-start), metadata={op_name="jit(step)/jvp()/shard_map/all_to_all"}
   %all-to-all-start.1 = ((bf16[8,16]{1,0}), bf16[8,16]{1,0}, u32[], u32[]) all-to-all-start(%fusion.1), channel_id=3, replica_groups=[4,2]<=[2,2,2]T(0,2,1), dimensions={0}, metadata={op_name="jit(step)/transpose(jvp())/shard_map/all_to_all"}
   %all-to-all-done.1 = bf16[8,16]{1,0} all-to-all-done(%all-to-all-start.1)
@@ -82,6 +83,7 @@ MESH = dict(mesh_shape=(1, 2, 2, 2), axis_names=("dp", "cp_colossal", "cp_ulysse
 
 
 def test_parser_on_hand_written_hlo():
+    """Async all-to-all, TPU async collective fusion, sync collectives, a multi-line instruction."""
     s = plan.analyze_schedule(HLO, **MESH)
     got = {c.name: c for c in s.collectives}
     assert list(got) == ["all-to-all-start", "all-to-all-start.1", "async-collective-start", "reduce-scatter.1",

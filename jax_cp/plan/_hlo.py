@@ -142,8 +142,13 @@ def _split_top(text: str) -> list[str]:
 
 
 def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
-    """HLO module text -> ({computation: instructions in order}, entry name)."""
-    comps: dict[str, list[Instr]] = {}
+    """HLO module text -> ({computation: instructions in order}, entry name).
+
+    An instruction may span lines (Mosaic kernels carry multi-line backend
+    configs): lines that start neither an instruction nor close the
+    computation continue the previous one.
+    """
+    comps: dict[str, list[str]] = {}
     entry, current = "", None
     for line in text.splitlines():
         if current is None:
@@ -152,15 +157,16 @@ def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
                 current = m.group(2)
                 comps[current] = []
                 entry = current if m.group(1) else entry
-        elif line.startswith("}"):
+        elif line.strip() == "}":
             current = None
+        elif line.lstrip().startswith(("%", "ROOT ")) or not comps[current]:
+            comps[current].append(line)
         else:
-            instr = _parse_instr(line)
-            if instr is not None:
-                comps[current].append(instr)
+            comps[current][-1] += "\n" + line
     if not entry:
         raise ValueError("no ENTRY computation found in the HLO text; pass compiled.as_text().")
-    return comps, entry
+    parsed = {c: [i for i in map(_parse_instr, lines) if i is not None] for c, lines in comps.items()}
+    return parsed, entry
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
