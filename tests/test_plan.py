@@ -15,7 +15,7 @@ from jax_cp.plan import _hlo
 pytest.importorskip("libtpu", reason="the planner compiles with the libtpu wheel's TPU compiler")
 
 TOPO = "v5e:2x4"
-SMALL = dict(topology=TOPO, model="tiny", seq_len=512, batch=1, kernel="blockwise")
+SMALL = dict(topology=TOPO, model="tiny", seq_len=512, batch=1)
 
 # Mesh (dp=1, cp_colossal=2, cp_ulysses=2, tp=2): device i sits at unravel_index(i, (1, 2, 2, 2)).
 HLO = """HloModule jit_step, is_scheduled=true
@@ -122,6 +122,9 @@ def test_parser_iota_replica_groups_and_shapes():
 def test_recommended_flags():
     tpu = plan.recommended_xla_flags("tpu")
     assert "--xla_tpu_enable_async_all_to_all=true" in tpu
+    fusion = "--xla_tpu_enable_async_collective_fusion=true"  # libtpu refuses it on chips other than v5e
+    assert fusion not in tpu and fusion in plan.recommended_xla_flags("tpu", chip="v5e")
+    assert plan.compiler_options(("--a=true", "--b=FALSE", "--c=12", "--d=x")) == dict(a=True, b=False, c=12, d="x")
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in plan.recommended_xla_flags("gpu")
     env = {"LIBTPU_INIT_ARGS": "--xla_tpu_enable_async_all_to_all=false --my_flag=1"}
     value = plan.apply_recommended_flags("tpu", environ=env)
@@ -221,7 +224,7 @@ def test_auto_strategy_chooses_and_explains():
 
 def test_cli_prints_the_report():
     cmd = [sys.executable, "-m", "jax_cp.plan", "--topology", TOPO, "--model", "tiny", "--seq-len", "512",
-           "--cp-ulysses", "4", "--tp", "2", "--kernel", "blockwise"]
+           "--cp-ulysses", "4", "--tp", "2"]
     out = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     for needle in ("jax_cp plan: v5e:2x4", "overlap fraction fwd", "ESTIMATED step time", "all-to-all"):

@@ -6,13 +6,14 @@ baseline) with the real TPU compiler from the ``libtpu`` wheel and returns a
 ``Report``: per-device memory, every collective of the schedule with its mesh
 axes and bytes, the overlap fraction forward and backward, FLOPs and an
 estimated step time. ``strategy="auto"`` chooses the layout. Command line:
-``python -m jax_cp.plan --help``. ``recommended_xla_flags`` /
-``apply_recommended_flags`` give the flags that make collectives asynchronous.
+``python -m jax_cp.plan --help``. ``recommended_xla_flags`` gives the flags
+that make collectives asynchronous, ``apply_recommended_flags`` sets them for
+the process, ``compiler_options`` turns them into per-compile options.
 """
 from jax_cp.plan._analyze import STRATEGIES, analyze, get_topology, kv_exchanges
 from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
 from jax_cp.plan._chips import CHIPS, Chip, chip_for
-from jax_cp.plan._flags import FLAG_ENV, apply_recommended_flags, recommended_xla_flags
+from jax_cp.plan._flags import FLAG_ENV, apply_recommended_flags, compiler_options, recommended_xla_flags
 from jax_cp.plan._hlo import Collective, Schedule, analyze_schedule
 from jax_cp.plan._models import MODELS, ModelSpec
 from jax_cp.plan._report import Analysis, Estimate, Memory, Report
@@ -20,6 +21,6 @@ from jax_cp.plan._report import Analysis, Estimate, Memory, Report
 __all__ = [
     "Analysis", "CHIPS", "Chip", "Collective", "Estimate", "FLAG_ENV", "LayerShape", "MODELS",
     "Memory", "ModelSpec", "Report", "STRATEGIES", "Schedule", "analyze", "analyze_schedule",
-    "apply_recommended_flags", "chip_for", "cp_layer", "get_topology", "kv_exchanges", "naive_layer",
+    "apply_recommended_flags", "chip_for", "compiler_options", "cp_layer", "get_topology", "kv_exchanges", "naive_layer",
     "recommended_xla_flags",
 ]

@@ -28,13 +28,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--kv-exchange", default="all_gather")
     p.add_argument("--overlap-chunks", type=int, default=1)
-    p.add_argument("--kernel", default="auto")
+    p.add_argument("--kernel", default="blockwise",
+                   help="local attention kernel; 'auto' = splash on TPU, slow to compile at long S")
     p.add_argument("--no-causal", action="store_true", help="full (bidirectional) attention")
     p.add_argument("--dtype", default="bfloat16", help="activation/compute dtype")
     p.add_argument("--param-dtype", default="float32")
     p.add_argument("--memory-budget-gib", type=float, default=None, help="per device (default: the chip's HBM)")
     p.add_argument("--candidates", type=int, default=2, help="auto: how many ranked layouts to compile")
     p.add_argument("--no-baseline", action="store_true", help="skip the naive fused-QKV baseline")
+    p.add_argument("--xla-flags", default=None,
+                   help="flags for every compile, space separated (default: recommended_xla_flags for the chip)")
     return p
 
 
@@ -54,7 +57,7 @@ def main(argv=None) -> int:
             cp_colossal=args.cp_colossal, cp_ulysses=args.cp_ulysses, tp=args.tp, kv_exchange=args.kv_exchange,
             overlap_chunks=args.overlap_chunks, kernel=args.kernel, is_causal=not args.no_causal,
             dtype=args.dtype, param_dtype=args.param_dtype, memory_budget=budget, baseline=not args.no_baseline,
-            candidates=args.candidates,
+            candidates=args.candidates, xla_flags=None if args.xla_flags is None else tuple(args.xla_flags.split()),
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

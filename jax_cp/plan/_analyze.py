@@ -9,7 +9,9 @@ Letters: B batch, S sequence, D model width, H query heads, K kv heads, d head d
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
+import tempfile
 import time
 
 import jax
@@ -18,7 +20,7 @@ from jax_cp._mesh import make_mesh
 from jax_cp.plan import _auto
 from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
 from jax_cp.plan._chips import chip_for
-from jax_cp.plan._flags import apply_recommended_flags, flag_string
+from jax_cp.plan._flags import compiler_options, recommended_xla_flags
 from jax_cp.plan._hlo import analyze_schedule
 from jax_cp.plan._models import ModelSpec, model_spec
 from jax_cp.plan._report import Analysis, Report, analysis_of
@@ -27,7 +29,6 @@ __all__ = ["analyze", "get_topology", "STRATEGIES", "kv_exchanges"]
 
 STRATEGIES = ("manual", "auto")
 _TOPOLOGIES: dict[str, object] = {}
-_FLAGS_IN_EFFECT: list[str] = []  # LIBTPU_INIT_ARGS when libtpu first started in this process
 
 
 def kv_exchanges() -> tuple[str, ...]:
@@ -48,13 +49,10 @@ def _allow_shared_libtpu() -> None:
 
 
 def get_topology(name: str):
-    """TPU topology description for ``name`` (e.g. ``"v5e:4x4"``), with the recommended flags applied first."""
+    """TPU topology description for ``name`` (e.g. ``"v5e:4x4"``); its ``devices`` build meshes."""
     chip_for(name)  # a clear error for unknown chips before libtpu is asked
     if name not in _TOPOLOGIES:
-        if not _FLAGS_IN_EFFECT:
-            _allow_shared_libtpu()
-            apply_recommended_flags("tpu")
-            _FLAGS_IN_EFFECT.append(flag_string("tpu"))
+        _allow_shared_libtpu()
         from jax.experimental import topologies
 
         try:
@@ -98,39 +96,59 @@ def check_degrees(n_devices: int, shape: LayerShape, c: int, u: int, t: int) -> 
     return dp
 
 
-def _compile(build, label, shape, mesh, chip, budget) -> Analysis:
+def _compile(build, label, shape, mesh, chip, budget, flags: tuple[str, ...]) -> Analysis:
+    """Compiles with ``flags`` as per-compile options; reads the schedule from the compiler's own dump."""
     t0 = time.perf_counter()
     fn, args = build(shape, mesh)
-    compiled = jax.jit(fn).lower(*args).compile()
-    elapsed = time.perf_counter() - t0
-    schedule = analyze_schedule(compiled.as_text(), mesh_shape=tuple(mesh.shape.values()),
-                                axis_names=tuple(mesh.axis_names))
+    with tempfile.TemporaryDirectory(prefix="jax_cp_plan_") as dump:
+        options = compiler_options(flags) | {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
+        compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
+        elapsed = time.perf_counter() - t0
+        text = _scheduled_text(compiled, dump)
+    schedule = analyze_schedule(text, mesh_shape=tuple(mesh.shape.values()), axis_names=tuple(mesh.axis_names))
     return analysis_of(label, compiled, schedule, chip, budget, elapsed)
 
 
+def _scheduled_text(compiled, dump: str) -> str:
+    """The optimized, scheduled module as the compiler dumped it; ``compiled.as_text()`` if none was dumped.
+
+    The dump is read first because jaxlib 0.10.2 cannot read back some libtpu
+    0.0.52 modules (v5p ``async-update`` ops fail its HLO proto check).
+    """
+    files = [f for f in glob.glob(os.path.join(dump, "*after_optimizations.txt")) if "jit_" in f]
+    if files:
+        with open(max(files, key=os.path.getmtime)) as f:
+            return f.read()
+    return compiled.as_text()
+
+
+def _flags_for(chip, xla_flags) -> tuple[str, ...]:
+    return recommended_xla_flags("tpu", chip=chip.name) if xla_flags is None else tuple(xla_flags)
+
+
 def analyze_layout(topology: str, shape: LayerShape, c: int, u: int, t: int, *, memory_budget=None,
-                   baseline: bool = True) -> Report:
+                   baseline: bool = True, xla_flags=None) -> Report:
     """Compiles one layout (and the naive baseline) and returns the report."""
     topo = get_topology(topology)
     devices = topo.devices
     check_degrees(len(devices), shape, c, u, t)
     chip = chip_for(topology)
     budget = int(memory_budget or chip.device_hbm_bytes)
+    flags = _flags_for(chip, xla_flags)
     mesh = make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, devices=devices)
     label = f"CPAttention ({c},{u},{t})"
-    analysis = _compile(cp_layer, label, shape, mesh, chip, budget)
-    base = _compile(naive_layer, "naive fused QKV", shape, mesh, chip, budget) if baseline else None
-    return Report(topology=topology, chip=chip, mesh_shape=dict(mesh.shape), layer=shape,
-                  flags=_FLAGS_IN_EFFECT[0] if _FLAGS_IN_EFFECT else flag_string("tpu"),
+    analysis = _compile(cp_layer, label, shape, mesh, chip, budget, flags)
+    base = _compile(naive_layer, "naive fused QKV", shape, mesh, chip, budget, flags) if baseline else None
+    return Report(topology=topology, chip=chip, mesh_shape=dict(mesh.shape), layer=shape, flags=" ".join(flags),
                   analysis=analysis, baseline=base)
 
 
 def analyze(
     *, topology: str, model: str | ModelSpec = "llama3-8b", seq_len: int, batch: int = 1,
     strategy: str = "manual", cp_colossal: int = 1, cp_ulysses: int = 1, tp: int = 1,
-    kv_exchange: str = "all_gather", overlap_chunks: int = 1, kernel: str = "auto", is_causal: bool = True,
+    kv_exchange: str = "all_gather", overlap_chunks: int = 1, kernel: str = "blockwise", is_causal: bool = True,
     dtype: str = "bfloat16", param_dtype: str = "float32", memory_budget: int | None = None,
-    baseline: bool = True, candidates: int = 2,
+    baseline: bool = True, candidates: int = 2, xla_flags: tuple[str, ...] | None = None,
 ) -> Report:
     """Plans one attention layer of ``model`` on ``topology`` and reports memory, collectives and overlap.
 
@@ -139,7 +157,11 @@ def analyze(
     degrees, the K/V exchange and ``overlap_chunks`` itself (the given ones
     are ignored): see ``Report.reasons``. ``memory_budget`` is bytes per
     device (default: the chip's HBM). ``baseline=True`` also compiles the
-    naive fused-QKV layer for comparison.
+    naive fused-QKV layer for comparison. ``kernel`` defaults to the portable
+    blockwise kernel: TPU splash (what ``kernel="auto"`` picks on TPU) takes
+    minutes to compile at long sequences; pass ``kernel="auto"`` to plan with
+    it. ``xla_flags`` (``"--name=value"`` strings) are passed to each compile;
+    ``None`` means ``recommended_xla_flags("tpu", chip=...)`` for the chip.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}.")
@@ -149,11 +171,13 @@ def analyze(
                          overlap_chunks=overlap_chunks, is_causal=is_causal, dtype=dtype, param_dtype=param_dtype)
     if strategy == "manual":
         return analyze_layout(topology, shape, cp_colossal, cp_ulysses, tp, memory_budget=memory_budget,
-                              baseline=baseline)
-    return choose(topology, shape, memory_budget=memory_budget, baseline=baseline, candidates=candidates)
+                              baseline=baseline, xla_flags=xla_flags)
+    return choose(topology, shape, memory_budget=memory_budget, baseline=baseline, candidates=candidates,
+                  xla_flags=xla_flags)
 
 
-def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=True, candidates=2) -> Report:
+def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=True, candidates=2,
+           xla_flags=None) -> Report:
     """``strategy="auto"``: rank layouts in closed form, compile the best ``candidates``, keep the fastest that fits.
 
     Each shortlisted layout is compiled with ``overlap_chunks`` 1 and 2 (where
@@ -186,7 +210,7 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
             s = dataclasses.replace(shape, kv_exchange=ex, overlap_chunks=chunks)
             if shape.num_heads % (t * u * chunks):
                 continue
-            r = analyze_layout(topology, s, c, u, t, memory_budget=budget, baseline=False)
+            r = analyze_layout(topology, s, c, u, t, memory_budget=budget, baseline=False, xla_flags=xla_flags)
             tried.append((r, s))
     for r, s in tried:
         a = r.analysis
@@ -211,7 +235,7 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
     if baseline:
         mesh = make_mesh(cp_colossal=m["cp_colossal"], cp_ulysses=m["cp_ulysses"], tp=m["tp"],
                          devices=get_topology(topology).devices)
-        base = _compile(naive_layer, "naive fused QKV", s, mesh, chip, budget)
+        base = _compile(naive_layer, "naive fused QKV", s, mesh, chip, budget, _flags_for(chip, xla_flags))
     return dataclasses.replace(best, baseline=base, reasons=tuple(reasons))
 
 

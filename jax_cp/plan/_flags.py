@@ -1,15 +1,17 @@
 """Recommended XLA flags that let collectives run asynchronously under compute.
 
-TPU flags go to libtpu through ``LIBTPU_INIT_ARGS``; GPU flags go to XLA through
-``XLA_FLAGS``. Both are read once, when the backend first compiles, so apply
-them at the very start of the program (before the first ``jax.jit`` call).
+Two ways to apply them: process-wide, through ``LIBTPU_INIT_ARGS`` (TPU) or
+``XLA_FLAGS`` (GPU), read once when the backend starts, so set them first thing
+(``apply_recommended_flags``); or per program, as
+``jax.jit(f).lower(...).compile(compiler_options=compiler_options(flags))``,
+which the planner uses so one process can compile for several chips.
 """
 from __future__ import annotations
 
 import os
-from typing import Mapping, MutableMapping
+from typing import MutableMapping
 
-__all__ = ["PLATFORMS", "FLAG_ENV", "recommended_xla_flags", "apply_recommended_flags"]
+__all__ = ["PLATFORMS", "FLAG_ENV", "recommended_xla_flags", "apply_recommended_flags", "compiler_options"]
 
 PLATFORMS = ("tpu", "gpu")
 FLAG_ENV = {"tpu": "LIBTPU_INIT_ARGS", "gpu": "XLA_FLAGS"}
@@ -21,11 +23,15 @@ _TPU_FLAGS = (
     "--xla_enable_async_reduce_scatter_fusion=true",
     "--xla_enable_async_all_reduce=true",
     "--xla_enable_async_collective_permute=true",
-    # Async collective fusion: all-gather / reduce-scatter run in steps fused with matmuls.
+    "--xla_tpu_overlap_compute_collective_tc=true",
+)
+# Async collective fusion: an all-gather continued step by step inside the fusions of the
+# matmuls that follow it. libtpu 0.0.52 supports it on v5e only and refuses to compile
+# ("Continuation fusion for AllGather ... not supported ... other than TPU v5e") elsewhere.
+_TPU_V5E_FLAGS = (
     "--xla_tpu_enable_async_collective_fusion=true",
     "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
     "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
-    "--xla_tpu_overlap_compute_collective_tc=true",
 )
 
 _GPU_FLAGS = (
@@ -47,16 +53,40 @@ def _check_platform(platform: str) -> str:
     return platform
 
 
-def recommended_xla_flags(platform: str = "tpu") -> tuple[str, ...]:
+def recommended_xla_flags(platform: str = "tpu", *, chip: str | None = None) -> tuple[str, ...]:
     """The flags (``--name=value`` strings) we recommend for ``platform``.
 
     On TPU they make all-to-all, all-gather, reduce-scatter, all-reduce and
     collective-permute asynchronous so XLA's latency-hiding scheduler can place
-    matmuls between start and done. On GPU they enable that scheduler and
-    pipelining of collectives across layers. All names were checked against
-    jaxlib 0.10.2 / libtpu 0.0.52; unknown flags make XLA abort at start-up.
+    matmuls between start and done; ``chip="v5e"`` adds async collective
+    fusion, which libtpu supports on v5e only (``chip=None``: the flags safe on
+    every generation). On GPU they enable that scheduler and pipelining of
+    collectives across layers. All names were checked against jaxlib 0.10.2 /
+    libtpu 0.0.52; unknown flags make XLA abort at start-up.
     """
-    return _TPU_FLAGS if _check_platform(platform) == "tpu" else _GPU_FLAGS
+    if _check_platform(platform) == "gpu":
+        return _GPU_FLAGS
+    return _TPU_FLAGS + (_TPU_V5E_FLAGS if chip == "v5e" else ())
+
+
+def compiler_options(flags: tuple[str, ...]) -> dict[str, bool | int | str]:
+    """``("--name=true", ...)`` -> ``{"name": True, ...}`` for ``jitted.lower(...).compile(compiler_options=...)``.
+
+    Per-compile options override the process-wide flag variable for that one
+    program (libtpu honours its own flags this way too), so one process can
+    compile for several chips with different flags.
+    """
+    out: dict[str, bool | int | str] = {}
+    for flag in flags:
+        name, _, value = flag.lstrip("-").partition("=")
+        if value.lower() in ("true", "false"):
+            out[name] = value.lower() == "true"
+        else:
+            try:
+                out[name] = int(value)
+            except ValueError:
+                out[name] = value
+    return out
 
 
 def _flag_name(flag: str) -> str:
@@ -71,7 +101,7 @@ def merge_flags(existing: str, flags: tuple[str, ...]) -> str:
 
 
 def apply_recommended_flags(
-    platform: str = "tpu", *, environ: MutableMapping[str, str] | None = None
+    platform: str = "tpu", *, chip: str | None = None, environ: MutableMapping[str, str] | None = None
 ) -> str:
     """Adds the recommended flags to ``LIBTPU_INIT_ARGS`` (TPU) or ``XLA_FLAGS`` (GPU).
 
@@ -81,11 +111,5 @@ def apply_recommended_flags(
     """
     env: MutableMapping[str, str] = os.environ if environ is None else environ
     name = FLAG_ENV[_check_platform(platform)]
-    env[name] = merge_flags(env.get(name, ""), recommended_xla_flags(platform))
+    env[name] = merge_flags(env.get(name, ""), recommended_xla_flags(platform, chip=chip))
     return env[name]
-
-
-def flag_string(platform: str, environ: Mapping[str, str] | None = None) -> str:
-    """The flag variable's current value for ``platform`` (what a report records)."""
-    env = os.environ if environ is None else environ
-    return env.get(FLAG_ENV[_check_platform(platform)], "")
