@@ -28,7 +28,7 @@ Peers (``pip install -e '.[bench]'``; missing ones are listed as skipped):
 * ``tokamax ring splash`` - the ring splash-attention kernel
   (``make_ring_attention``), Pallas in interpret mode on CPU.
 * ``ejkernel ring`` - ejkernel's XLA ring attention kernel in ``jax.shard_map``
-  (ejkernel installs with ``--no-deps`` plus ``beartype chex``).
+  (installs with its light dependencies: beartype, chex, pydantic, ...).
 * MaxText - not installable on Python 3.11 (needs >= 3.12); always skipped here.
 
 Usage::
@@ -48,6 +48,7 @@ import dataclasses
 import datetime
 import gc
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -123,8 +124,10 @@ class NotApplicable(Exception):
 
 @dataclasses.dataclass
 class Impl:
-    """``build(case)`` returns ``(attn, sharding)``: ``attn(q, k, v) -> o`` on global BSHD arrays
-    (jit-able) and the input sharding it is fed with."""
+    """``build(case)`` returns ``(attn, sharding)`` or ``(attn, sharding, order)``: ``attn(q, k, v) -> o``
+    on global BSHD arrays (jit-able), the input sharding it is fed with, and optionally the token
+    order it expects (``order[j]`` = natural index of sequence slot ``j``; inputs are permuted into it
+    and outputs back before checking, both outside the timed call, as a data pipeline would)."""
 
     name: str
     group: str  # "jax_cp" | "peer"
@@ -139,9 +142,12 @@ def _seq_sharding(mesh, axes):
 
 
 def jax_cp_impls(kernels=("auto",), xla_max_seq: int = 8192) -> list[Impl]:
+    import jax.numpy as jnp
     import jax_cp
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jax_cp import _attention
+
+    from jax_cp import load_balance
 
     strategies = [
         ("ulysses (1,8,1)", dict(cp_ulysses=8), "all_gather"),
@@ -153,19 +159,28 @@ def jax_cp_impls(kernels=("auto",), xla_max_seq: int = 8192) -> list[Impl]:
         strategies.append(("ring (8,1,1)", dict(cp_colossal=8), "ring"))
     out = []
     for kernel in kernels:
-        for label, axes, exchange in strategies:
-            def build(case, axes=axes, exchange=exchange, kernel=kernel):
-                if kernel == "xla" and case.seq > xla_max_seq:
-                    raise NotApplicable(f"dense kernel memory is quadratic; skipped above S={xla_max_seq}")
-                mesh = jax_cp.make_mesh(**axes)
+        for balanced in (False, True):
+            for label, axes, exchange in strategies:
+                if balanced and axes.get("cp_colossal", 1) == 1:
+                    continue  # Ulysses needs no balancing
 
-                def attn(q, k, v):
-                    return jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=case.causal,
-                                                        kernel=kernel, kv_exchange=exchange)
-                # jax_cp's own layout (dp and tp have size 1): the output and the cotangent share it.
-                return attn, NamedSharding(mesh, P("dp", ("cp_colossal", "cp_ulysses"), "tp", None))
-            suffix = "" if kernel == "auto" else f" [{kernel}]"
-            out.append(Impl(f"jax_cp {label}{suffix}", "jax_cp", build))
+                def build(case, axes=axes, exchange=exchange, kernel=kernel, balanced=balanced):
+                    if kernel == "xla" and case.seq > xla_max_seq:
+                        raise NotApplicable(f"dense kernel memory is quadratic; skipped above S={xla_max_seq}")
+                    if balanced and not case.causal:
+                        raise NotApplicable("load balancing is for causal masks")
+                    mesh = jax_cp.make_mesh(**axes)
+                    order = np.asarray(load_balance.positions(case.seq, mesh)) if balanced else None
+                    positions = None if order is None else jnp.asarray(order, jnp.int32)
+
+                    def attn(q, k, v):
+                        return jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=case.causal, kernel=kernel,
+                                                            kv_exchange=exchange, positions=positions)
+                    # jax_cp's own layout (dp and tp have size 1): the output and the cotangent share it.
+                    return attn, NamedSharding(mesh, P("dp", ("cp_colossal", "cp_ulysses"), "tp", None)), order
+                suffix = (" +lb" if balanced else "") + ("" if kernel == "auto" else f" [{kernel}]")
+                out.append(Impl(f"jax_cp {label}{suffix}", "jax_cp", build,
+                                "+lb: inputs in load_balance order (dual chunks), positions passed"))
     return out
 
 
@@ -190,6 +205,8 @@ def peer_impls() -> tuple[list[Impl], list[tuple[str, str]]]:
 
     # ringattention ----------------------------------------------------------------
     try:
+        if importlib.util.find_spec("ringattention") is None:
+            raise ModuleNotFoundError("No module named 'ringattention'")
         shim_xla_bridge()
         import ringattention
 
@@ -389,17 +406,19 @@ def _short(e: BaseException) -> str:
 
 
 def _prepare(impl: Impl, case: Case, inp: Inputs):
-    """Builds, places the inputs and compiles; returns ``(compiled, args, compile_seconds)``."""
+    """Builds, places the inputs and compiles; returns ``(compiled, args, order, compile_seconds)``."""
     import jax
     import jax.numpy as jnp
 
-    attn, sharding = impl.build(case)
+    attn, sharding, *rest = impl.build(case)
+    order = rest[0] if rest else None
     dtype = jnp.dtype(case.dtype)
-    args = [jax.device_put(np.asarray(a).astype(dtype), sharding) for a in (inp.q, inp.k, inp.v)]
+    put = lambda a: jax.device_put((a if order is None else a[:, order]).astype(dtype), sharding)  # noqa: E731
+    args = [put(a) for a in (inp.q, inp.k, inp.v)]
     if case.mode == "fwd":
         fn = jax.jit(attn)
     else:
-        args.append(jax.device_put(inp.do.astype(dtype), sharding))
+        args.append(put(inp.do))
 
         def fn(q, k, v, do):
             o, vjp = jax.vjp(attn, q, k, v)
@@ -407,12 +426,21 @@ def _prepare(impl: Impl, case: Case, inp: Inputs):
         fn = jax.jit(fn)
     t0 = time.perf_counter()
     compiled = fn.lower(*args).compile()
-    return compiled, args, time.perf_counter() - t0
+    return compiled, args, order, time.perf_counter() - t0
 
 
-def _check(res: Result, out, ref, rows):
+def _natural(x, order):
+    x = np.asarray(x, np.float32)
+    if order is None:
+        return x
+    y = np.empty_like(x)
+    y[:, order] = x
+    return y
+
+
+def _check(res: Result, out, ref, rows, order=None):
     o_ref, dq_ref, dk_ref, dv_ref = ref
-    outs = out if isinstance(out, (tuple, list)) else (out,)
+    outs = [_natural(x, order) for x in (out if isinstance(out, (tuple, list)) else (out,))]
     res.errors["o"] = rel_error(np.asarray(outs[0], np.float32)[:, rows], o_ref)
     if len(outs) == 4:
         for name, x, r in zip(("dq", "dk", "dv"), outs[1:], (dq_ref, dk_ref, dv_ref)):
@@ -432,14 +460,20 @@ def _timed_call(compiled, args):
     return time.perf_counter() - t0, out
 
 
-def run_row(impls: list[Impl], case: Case, inp: Inputs, ref, reps: int, warmup: int, log=print) -> list[Result]:
-    """One row: every implementation on ``case``, repetitions interleaved round-robin."""
+def run_row(impls: list[Impl], case: Case, inp: Inputs, ref, reps: int, warmup: int, log=print,
+            pruned: dict | None = None) -> list[Result]:
+    """One row: every implementation on ``case``, repetitions interleaved round-robin.
+
+    ``pruned`` maps implementation names to the reason they are not run for this case."""
     results, live = [], []
     for impl in impls:
         res = Result(impl.name, impl.group, case)
         results.append(res)
+        if pruned and impl.name in pruned:
+            res.status, res.message = "pruned", pruned[impl.name]
+            continue
         try:
-            compiled, args, res.compile_s = _prepare(impl, case, inp)
+            compiled, args, order, res.compile_s = _prepare(impl, case, inp)
         except NotApplicable as e:
             res.status, res.message = "n/a", str(e)
             continue
@@ -449,10 +483,10 @@ def run_row(impls: list[Impl], case: Case, inp: Inputs, ref, reps: int, warmup: 
             if os.environ.get("COMPARE_PEERS_DEBUG"):
                 traceback.print_exc()
             continue
-        live.append([res, compiled, args, True])  # the last flag: correctness not checked yet
+        live.append([res, compiled, args, True, order])  # the flag: correctness not checked yet
 
     def call(entry, timed: bool):
-        res, compiled, args, unchecked = entry
+        res, compiled, args, unchecked, order = entry
         try:
             dt, out = _timed_call(compiled, args)
         except Exception as e:  # noqa: BLE001
@@ -460,7 +494,7 @@ def run_row(impls: list[Impl], case: Case, inp: Inputs, ref, reps: int, warmup: 
             log(f"    {res.impl}: {res.message}")
             return
         if unchecked:
-            _check(res, out, ref, inp.rows)
+            _check(res, out, ref, inp.rows, order)
             entry[3] = False
         del out
         if timed:
@@ -473,8 +507,9 @@ def run_row(impls: list[Impl], case: Case, inp: Inputs, ref, reps: int, warmup: 
     for r in range(reps):
         shift = r % max(len(live), 1)
         for entry in live[shift:] + live[:shift]:
-            if entry[0].status in ("ok", "WRONG"):  # wrong ones are timed too, but never ranked
-                call(entry, timed=True)
+            res = entry[0]
+            if res.status == "ok" or (res.status == "WRONG" and not res.times):
+                call(entry, timed=True)  # a wrong result is timed once (shown, never ranked), then dropped
     live.clear()
     gc.collect()
 
@@ -494,8 +529,8 @@ def _fmt_time(r: Result) -> str:
 
 
 def _fmt_cell(r: Result) -> str:
-    if r.status == "n/a":
-        return "n/a"
+    if r.status in ("n/a", "pruned"):
+        return r.status
     if r.status == "FAILED":
         return "FAILED"
     if r.status == "WRONG":
@@ -583,6 +618,15 @@ def parse_args(argv=None):
     p.add_argument("--reps-long", type=int, default=None, help="repetitions for S > 8192 (default: --reps)")
     p.add_argument("--warmup", type=int, default=0,
                    help="untimed calls before the timed ones (compilation is ahead of time; default 0)")
+    p.add_argument("--long-causal", nargs="+", default=None, choices=["causal", "full"],
+                   help="--causal for S > 8192 (default: --causal)")
+    p.add_argument("--long-dtype", nargs="+", default=None, choices=["float32", "bfloat16"],
+                   help="--dtype for S > 8192 (default: --dtype)")
+    p.add_argument("--long-mode", nargs="+", default=None, choices=["fwd", "fwd+bwd"],
+                   help="--mode for S > 8192 (default: --mode)")
+    p.add_argument("--prune", type=float, default=None,
+                   help="at each S after the first, leave out implementations that were WRONG/FAILED or slower "
+                        "than PRUNE x the fastest correct peer on the same case at the previous S (default: off)")
     p.add_argument("--quick", action="store_true", help="one repetition, fwd only unless --mode is given")
     p.add_argument("--only", nargs="+", default=None,
                    help="substrings of implementation names to keep (e.g. jax_cp ringattention)")
@@ -634,22 +678,35 @@ def main(argv=None, extra_impls: list[Impl] = (), log=print) -> list[list[Result
         log(f"# skipped: {name}: {why}")
 
     rows = []
+    previous = {}  # (dtype, causal, mode) -> results at the previous S, for --prune
     for seq in args.seq:
-        reps = args.reps if (args.reps_long is None or seq <= 8192) else args.reps_long
-        for causal in (c == "causal" for c in args.causal):
+        long = seq > 8192
+        reps = args.reps if (args.reps_long is None or not long) else args.reps_long
+        causals = (args.long_causal or args.causal) if long else args.causal
+        for causal in (c == "causal" for c in causals):
             inp = None
             ref = None
-            for dtype in args.dtype:
-                for mode in args.mode:
+            for dtype in (args.long_dtype or args.dtype) if long else args.dtype:
+                for mode in (args.long_mode or args.mode) if long else args.mode:
                     case = Case(seq, dtype, causal, mode, args.batch, args.heads, args.head_dim)
+                    pruned = {}
+                    for r in previous.get((dtype, causal, mode), []) if args.prune else []:
+                        at = f"at S={r.case.seq}"
+                        if r.status == "pruned":
+                            pruned[r.impl] = r.message
+                        elif r.status in ("WRONG", "FAILED"):
+                            pruned[r.impl] = f"{r.status} {at}"
+                        elif r.ratio is not None and r.ratio > args.prune:
+                            pruned[r.impl] = f"{r.ratio:.1f}x the fastest correct peer {at}"
                     if inp is None:
                         t0 = time.perf_counter()
                         inp = make_inputs(case, args.ref_rows)
                         ref = reference(inp, causal)
                         log(f"# reference S={seq} causal={causal}: {time.perf_counter() - t0:.1f}s")
-                    results = run_row(impls, case, inp, ref, reps, args.warmup, log=log)
+                    results = run_row(impls, case, inp, ref, reps, args.warmup, log=log, pruned=pruned)
                     print_row(results, log=log)
                     rows.append(results)
+                    previous[(dtype, causal, mode)] = results
             del inp, ref
             gc.collect()
 
