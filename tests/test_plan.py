@@ -55,7 +55,7 @@ HLO = """HloModule jit_step, is_scheduled=true
   ROOT %sum = f32[] add(%a, %b)
 }
 
-ENTRY %main (x: bf16[8,16], w: bf16[16,16], s: bf16[4,16], g: f32[8,16]) -> (f32[4,16], f32[8,16], bf16[8,16]) {
+ENTRY %main (x: bf16[8,16], w: bf16[16,16], s: bf16[4,16], g: f32[8,16]) -> (f32[4,16], f32[8,16], bf16[8,16], bf16[8,16]) {
   %x = bf16[8,16]{1,0} parameter(0), metadata={op_name="x"}
   %w = bf16[16,16]{1,0} parameter(1), metadata={op_name="w"}
   %s = bf16[4,16]{1,0} parameter(2)
@@ -66,6 +66,7 @@ ENTRY %main (x: bf16[8,16], w: bf16[16,16], s: bf16[4,16], g: f32[8,16]) -> (f32
   %all-to-all-done = bf16[8,16]{1,0} all-to-all-done(%all-to-all-start), metadata={op_name="jit(step)/jvp()/shard_map/all_to_all"}
   %all-to-all-start.1 = ((bf16[8,16]{1,0}), bf16[8,16]{1,0}, u32[], u32[]) all-to-all-start(%fusion.1), channel_id=3, replica_groups=[4,2]<=[2,2,2]T(0,2,1), dimensions={0}, metadata={op_name="jit(step)/transpose(jvp())/shard_map/all_to_all"}
   %all-to-all-done.1 = bf16[8,16]{1,0} all-to-all-done(%all-to-all-start.1)
+  %fusion.4 = bf16[8,16]{1,0} fusion(%all-to-all-done.1, %w), kind=kOutput, calls=%fused_matmul
   %async-collective-start = (bf16[4,16]{1,0}, bf16[8,16]{1,0}, u32[]) fusion(%s), kind=kCustom, calls=%ag_start_comp
   %get-tuple-element.1 = bf16[4,16]{1,0} get-tuple-element(%async-collective-start), index=0
   %get-tuple-element.2 = bf16[8,16]{1,0} get-tuple-element(%async-collective-start), index=1
@@ -76,7 +77,7 @@ ENTRY %main (x: bf16[8,16], w: bf16[16,16], s: bf16[4,16], g: f32[8,16]) -> (f32
   %reduce-scatter.1 = f32[4,16]{1,0} reduce-scatter(%g), channel_id=4, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}, to_apply=%add, metadata={op_name="jit(step)/transpose(jvp())/shard_map/reduce_scatter"}
   %all-reduce.1 = f32[8,16]{1,0} all-reduce(%g), channel_id=5, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
   %fusion.3 = bf16[8,16]{1,0} fusion(%async-collective-done, %w), kind=kOutput, calls=%fused_matmul
-  ROOT %tuple = (f32[4,16]{1,0}, f32[8,16]{1,0}, bf16[8,16]{1,0}) tuple(%reduce-scatter.1, %all-reduce.1, %fusion.3)
+  ROOT %tuple = (f32[4,16]{1,0}, f32[8,16]{1,0}, bf16[8,16]{1,0}, bf16[8,16]{1,0}) tuple(%reduce-scatter.1, %all-reduce.1, %fusion.3, %fusion.4)
 }
 """
 MESH = dict(mesh_shape=(1, 2, 2, 2), axis_names=("dp", "cp_colossal", "cp_ulysses", "tp"))
@@ -99,9 +100,9 @@ def test_parser_on_hand_written_hlo():
         "all-gather", ("cp_colossal",), 8 * 16 * 2, True, True, ("fusion.2",))
     # A collective left in the entry computation is synchronous; transpose(...) marks backward.
     assert (rs.kind, rs.axes, rs.bytes, rs.phase, rs.is_async) == ("reduce-scatter", ("cp_colossal",), 8 * 16 * 4, "bwd", False)
-    # A reduction that only feeds the outputs (a parameter gradient) is not a CP exchange.
-    assert ar.axes == ("cp_colossal", "cp_ulysses", "tp") and ar.to_output and not s.is_cp(ar)
-    assert rs.to_output and not s.is_cp(rs) and not ag.to_output and s.is_cp(ag)
+    # A reduction no matmul consumes (a parameter gradient) is not a CP exchange.
+    assert ar.axes == ("cp_colossal", "cp_ulysses", "tp") and not ar.feeds_compute and not s.is_cp(ar)
+    assert not rs.feeds_compute and not s.is_cp(rs) and ag.feeds_compute and s.is_cp(ag)
     # Overlap fraction = overlapped bytes / all CP bytes, per phase.
     assert s.overlap_fraction("fwd") == 1.0
     assert s.overlap_fraction("bwd") == 0.0

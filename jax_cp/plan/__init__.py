@@ -10,7 +10,7 @@ estimated step time. ``strategy="auto"`` chooses the layout. Command line:
 that make collectives asynchronous, ``apply_recommended_flags`` sets them for
 the process, ``compiler_options`` turns them into per-compile options.
 """
-from jax_cp.plan._analyze import STRATEGIES, analyze, get_topology, kv_exchanges
+from jax_cp.plan._analyze import STRATEGIES, analyze, analyze_program, get_topology, kv_exchanges
 from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
 from jax_cp.plan._chips import CHIPS, Chip, chip_for
 from jax_cp.plan._flags import FLAG_ENV, apply_recommended_flags, compiler_options, recommended_xla_flags
@@ -20,7 +20,7 @@ from jax_cp.plan._report import Analysis, Estimate, Memory, Report
 
 __all__ = [
     "Analysis", "CHIPS", "Chip", "Collective", "Estimate", "FLAG_ENV", "LayerShape", "MODELS",
-    "Memory", "ModelSpec", "Report", "STRATEGIES", "Schedule", "analyze", "analyze_schedule",
+    "Memory", "ModelSpec", "Report", "STRATEGIES", "Schedule", "analyze", "analyze_program", "analyze_schedule",
     "apply_recommended_flags", "chip_for", "compiler_options", "cp_layer", "get_topology", "kv_exchanges", "naive_layer",
     "recommended_xla_flags",
 ]

@@ -25,7 +25,7 @@ from jax_cp.plan._hlo import analyze_schedule
 from jax_cp.plan._models import ModelSpec, model_spec
 from jax_cp.plan._report import Analysis, Report, analysis_of
 
-__all__ = ["analyze", "get_topology", "STRATEGIES", "kv_exchanges"]
+__all__ = ["analyze", "analyze_program", "get_topology", "STRATEGIES", "kv_exchanges"]
 
 STRATEGIES = ("manual", "auto")
 _TOPOLOGIES: dict[str, object] = {}
@@ -97,9 +97,13 @@ def check_degrees(n_devices: int, shape: LayerShape, c: int, u: int, t: int) -> 
 
 
 def _compile(build, label, shape, mesh, chip, budget, flags: tuple[str, ...]) -> Analysis:
+    fn, args = build(shape, mesh)
+    return _analyze_compiled(fn, args, label, mesh, chip, budget, flags)
+
+
+def _analyze_compiled(fn, args, label, mesh, chip, budget, flags) -> Analysis:
     """Compiles with ``flags`` as per-compile options; reads the schedule from the compiler's own dump."""
     t0 = time.perf_counter()
-    fn, args = build(shape, mesh)
     with tempfile.TemporaryDirectory(prefix="jax_cp_plan_") as dump:
         options = compiler_options(flags) | {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
         compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
@@ -107,6 +111,19 @@ def _compile(build, label, shape, mesh, chip, budget, flags: tuple[str, ...]) ->
         text = _scheduled_text(compiled, dump)
     schedule = analyze_schedule(text, mesh_shape=tuple(mesh.shape.values()), axis_names=tuple(mesh.axis_names))
     return analysis_of(label, compiled, schedule, chip, budget, elapsed)
+
+
+def analyze_program(fn, args, *, topology: str, mesh, label: str = "program", memory_budget: int | None = None,
+                    xla_flags: tuple[str, ...] | None = None) -> Analysis:
+    """Compiles any ``fn(*args)`` for ``topology`` and analyzes it like the planner's layers.
+
+    ``args`` are ``jax.ShapeDtypeStruct``s sharded over ``mesh``, a mesh of
+    ``get_topology(topology).devices`` (``jax_cp.make_mesh(..., devices=...)``).
+    Use it for your own layer or training step.
+    """
+    chip = chip_for(topology)
+    budget = int(memory_budget or chip.device_hbm_bytes)
+    return _analyze_compiled(fn, args, label, mesh, chip, budget, _flags_for(chip, xla_flags))
 
 
 def _scheduled_text(compiled, dump: str) -> str:

@@ -40,7 +40,7 @@ _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
-_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations)=\{?([%\w.\-, ]+)\}?")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations)=(\{[^}]*\}|%[\w.\-]+)")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _IOTA_GROUPS = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
@@ -85,7 +85,7 @@ class Instr:
     def called(self) -> tuple[str, ...]:
         out = []
         for group in _CALLED.findall(self.attrs):
-            out += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+            out += [c.strip().lstrip("%") for c in group.strip("{}").split(",") if c.strip()]
         return tuple(out)
 
     @property
@@ -182,7 +182,7 @@ class Collective:
     is_async: bool
     compute_inside: tuple[str, ...]  # compute ops scheduled between start and done
     op_name: str = ""
-    to_output: bool = False  # its result only flows into the program's outputs (a gradient reduction)
+    feeds_compute: bool = True  # some matmul/kernel consumes its result (directly or not)
 
     def __post_init__(self):
         if self.kind not in COLLECTIVE_KINDS:
@@ -216,11 +216,11 @@ class Schedule:
     def is_cp(self, c: Collective) -> bool:
         """A context-parallel exchange: over CP mesh axes only, and feeding further compute.
 
-        Excluded: collectives whose result goes straight to the program outputs
-        (the gradient sum of parameters replicated over the CP axes, which a
-        training step reduces once, under the next layer's backward).
+        Excluded: collectives whose result no matmul consumes - the gradient sum
+        of parameters replicated over the CP axes, which a training step
+        reduces once per step, under the next layer's backward.
         """
-        return bool(c.axes) and set(c.axes) <= set(self.cp_axes) and not c.to_output
+        return bool(c.axes) and set(c.axes) <= set(self.cp_axes) and c.feeds_compute
 
     def select(self, phase: str | None = None, *, cp_only: bool = True) -> tuple[Collective, ...]:
         return tuple(
@@ -320,22 +320,15 @@ def _phase(op_name: str) -> str:
     return "bwd" if "transpose(" in op_name else "fwd"
 
 
-_PASS_TO_OUTPUT = ("get-tuple-element", "tuple", "bitcast", "copy", "convert", "reshape", "all-reduce-done",
-                   "async-done", "copy-start", "copy-done")
-
-
-def _output_feeders(instrs: list[Instr]) -> set[str]:
-    """Instructions whose value reaches the ROOT only through reshapes, converts and tuples."""
-    users: dict[str, list[Instr]] = {}
-    for i in instrs:
-        for o in i.operands:
-            users.setdefault(o, []).append(i)
-    feeders = {instrs[-1].name} if instrs else set()
-    for i in reversed(instrs):
-        us = users.get(i.name, [])
-        if us and all(u.name in feeders and (u.opcode in _PASS_TO_OUTPUT or u is instrs[-1]) for u in us):
-            feeders.add(i.name)
-    return feeders
+def _feeds_compute(instrs: list[Instr], is_compute: list[bool]) -> dict[str, bool]:
+    """For every instruction: does any compute op (transitively) consume its value?"""
+    pos = {i.name: k for k, i in enumerate(instrs)}
+    feeds = [False] * len(instrs)
+    for k in range(len(instrs) - 1, -1, -1):  # users come later in a schedule
+        for o in instrs[k].operands:
+            if o in pos and (is_compute[k] or feeds[k]):
+                feeds[pos[o]] = True
+    return {i.name: f for i, f in zip(instrs, feeds)}
 
 
 def _phase_from_producers(names: dict[str, Instr], start: Instr, depth: int = 6) -> str:
@@ -421,7 +414,7 @@ def _collectives_of(mod, comp, mesh_shape, axis_names) -> list[Collective]:
         or (i.opcode in ("fusion", "call", "while", "conditional") and any(mod.contains(c, "compute") for c in i.called))
         for i in instrs
     ]
-    feeders = _output_feeders(instrs)
+    feeds = _feeds_compute(instrs, is_compute)
     out = []
     for pos, i in enumerate(instrs):
         role = _classify(mod, i)
@@ -435,7 +428,7 @@ def _collectives_of(mod, comp, mesh_shape, axis_names) -> list[Collective]:
             result = i.name
         else:
             continue
-        out.append(dataclasses.replace(c, to_output=result in feeders))
+        out.append(dataclasses.replace(c, feeds_compute=feeds.get(result, False)))
     return out
 
 
