@@ -25,7 +25,7 @@ from jax_cp._mesh import COLOSSAL, CP, DP, TP, ULYSSES, MeshDims, lcm, mesh_dims
 __all__ = ["dot_product_attention", "attend_shard", "kv_head_replication", "LAYOUTS", "KV_EXCHANGES"]
 
 LAYOUTS = ("BSHD", "BNSD")
-KV_EXCHANGES = ("all_gather",)
+KV_EXCHANGES = ("all_gather", "ring")
 
 X_SPEC = P(DP, CP, TP, None)  # [B, S, H, d]
 META_SPEC = P(DP, CP)  # [B, S] positions / segment ids
@@ -83,8 +83,15 @@ def attend_shard(q_BSHd, k_BSKd, v_BSKd, pos_BS, seg_BS, *, kv_exchange="all_gat
     Takes the device's contiguous colossal chunk ``[B, S/c, ...]`` of heads and
     metadata; returns ``o [B, S/c, H_local, d]``.
     """
-    if kv_exchange != "all_gather":
+    if kv_exchange not in KV_EXCHANGES:
         raise ValueError(f"kv_exchange={kv_exchange!r} must be one of {KV_EXCHANGES}.")
+    if kv_exchange == "ring":
+        if _kernels.check_kernel(kernel) not in ("auto", "blockwise"):
+            raise ValueError(f"kernel={kernel!r} cannot run kv_exchange='ring', whose steps merge the blockwise "
+                             "kernel's log-sum-exps; use kernel='auto' or 'blockwise' (or kv_exchange='all_gather').")
+        from jax_cp._ring import ring_attention  # the ring builds on the kernels; imported where used
+
+        return ring_attention(q_BSHd, k_BSKd, v_BSKd, pos_BS, seg_BS, axis_name=COLOSSAL, **mask)
     k_all = gather_seq(k_BSKd, COLOSSAL)
     v_all = gather_seq(v_BSKd, COLOSSAL)
     kv_pos = gather_ints(pos_BS, COLOSSAL)

@@ -1,0 +1,127 @@
+"""Ring K/V exchange equals the reference (forward and gradients); its permutes overlap compute on TPU."""
+import os
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # xdist workers may each load libtpu for AOT compiles
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_cp
+from jax_cp import reference
+from jax_cp._blockwise import Meta, block_visible, make_spec
+from util import assert_matches, fwd_and_vjp, random_qkv, assert_close
+
+B, S, H, d = 2, 64, 8, 8
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+CASES = [  # (c, u, t), K, mask, dtype, load-balanced positions
+    ((8, 1, 1), 8, dict(is_causal=True), F32, False),
+    ((2, 4, 1), 2, dict(is_causal=True), BF16, True),
+    ((4, 2, 1), 1, dict(local_window_size=(5, 3), segments=True), F32, False),
+    ((2, 2, 2), 4, dict(is_causal=True, local_window_size=(7, 0), segments=True), BF16, True),
+    ((2, 2, 1), 2, dict(is_causal=True, segments=True), F32, True),  # dp = 2
+]
+
+
+@pytest.mark.parametrize("cut,K,mask,dtype,balanced", CASES)
+def test_ring_matches_reference(cut, K, mask, dtype, balanced):
+    c, u, t = cut
+    mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
+    q, k, v, ct = random_qkv(B, S, H, K, d, dtype, seed=c + 2 * u + 3 * t)
+    mask = dict(mask)
+    pos = jax_cp.load_balance.positions(S, mesh) if balanced else None
+    seg = None
+    if mask.pop("segments", False):
+        natural = jnp.stack([jnp.arange(S) // 24, jnp.arange(S) // 40]).astype(jnp.int32)
+        seg = jax_cp.load_balance.reorder(natural, mesh) if balanced else natural
+    kw = dict(positions=pos, segment_ids=seg, **mask)
+    f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="ring", **kw)
+    ref = lambda q, k, v: reference.dot_product_attention(q, k, v, **kw)
+    assert_matches(f, ref, (q, k, v), ct, dtype, f"{cut=} {K=} {mask=} {balanced=}")
+
+
+def test_module_passes_ring_through():
+    """``CPAttention(kv_exchange="ring")`` equals the all-gather module with the same weights."""
+    mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
+    x = jax.random.normal(jax.random.key(0), (2, 32, 16), F32)
+
+    def run(kv_exchange):
+        model = jax_cp.CPAttention(16, 4, num_kv_heads=2, head_dim=8, mesh=mesh, is_causal=True,
+                                   kv_exchange=kv_exchange, rngs=nnx.Rngs(0))
+        loss = lambda m, x: (m(x) ** 2).sum()
+        return nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))(model, x)
+
+    (l_ring, (gm_ring, gx_ring)), (l_ag, (gm_ag, gx_ag)) = run("ring"), run("all_gather")
+    assert_close(l_ring, l_ag, F32)
+    assert_close(gx_ring, gx_ag, F32)
+    for a, b in zip(jax.tree.leaves(gm_ring), jax.tree.leaves(gm_ag)):
+        assert_close(a, b, F32)
+
+
+def test_ring_errors():
+    mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
+    q, k, v, _ = random_qkv(B, S, H, 2, d)
+    with pytest.raises(ValueError, match=r"kernel='splash' cannot run kv_exchange='ring'.*use kernel='auto'"):
+        jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="ring", kernel="splash")
+    with pytest.raises(ValueError, match=r"kv_exchange='tree' must be one of \('all_gather', 'ring'\)"):
+        jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="tree")
+
+
+def _step_work(pos_S, c, is_causal=True, block=8):
+    """Visible block pairs ``[rank, step]``: rank r's queries against the chunk of rank (r - step) mod c."""
+    chunks = pos_S.reshape(c, -1)
+    meta = lambda p: Meta(p[None], None, jnp.ones((1, p.shape[0]), bool))
+    spec = make_spec(8, is_causal=is_causal)
+    return np.array([[int(block_visible(meta(chunks[r]), meta(chunks[(r - s) % c]), spec, block, block).sum())
+                      for s in range(c)] for r in range(c)])
+
+
+def test_ring_steps_skip_masked_chunks_and_balance():
+    c, n = 4, 128
+    natural = _step_work(jnp.arange(n, dtype=jnp.int32), c)
+    assert (natural[0, 1:] == 0).all()  # rank 0 sees only itself: three steps without block work
+    assert natural.sum(1).tolist() == [10, 26, 42, 58]  # 4*5/2 on the diagonal + 16 per earlier chunk
+    mesh = jax_cp.make_mesh(cp_colossal=c, dp=2)
+    balanced = _step_work(jax_cp.load_balance.positions(n, mesh), c)
+    assert len(set(balanced.sum(1).tolist())) == 1  # the dual-chunk order evens out the work
+    assert balanced.sum() == natural.sum()
+
+
+def _pairs_enclosing_compute(hlo: str):
+    """For each async collective-permute in the entry computation: does compute run between start and done?"""
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}\n")]
+    ops = [m.groups() for m in re.finditer(r"\n\s*(?:ROOT )?%?([\w.-]+) = .*? ([\w-]+)\((.*)", entry)]
+    start_at = {name: i for i, (name, kind, _) in enumerate(ops) if kind == "collective-permute-start"}
+    result = {}
+    for i, (name, kind, args) in enumerate(ops):
+        if kind == "collective-permute-done":
+            start = re.match(r"\s*%?([\w.-]+)", args).group(1)
+            between = {k for _, k, _ in ops[start_at[start] + 1:i]}
+            result[start] = bool(between & {"while", "fusion", "convolution"})
+    return result
+
+
+def test_ring_permutes_overlap_compute_on_tpu():
+    """Scheduled TPU HLO (libtpu ahead of time): K/V permutes run while a step's attention computes."""
+    pytest.importorskip("libtpu", reason="libtpu is needed for TPU ahead-of-time compilation")
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+    c = 4
+    mesh = jax_cp.make_mesh(cp_colossal=c, devices=topo.devices)
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("cp_colossal", "cp_ulysses")))
+    q = jax.ShapeDtypeStruct((1, 4096, 8, 128), BF16, sharding=spec)
+    kv = jax.ShapeDtypeStruct((1, 4096, 2, 128), BF16, sharding=spec)
+    loss = lambda q, k, v: jax_cp.dot_product_attention(
+        q, k, v, mesh=mesh, kv_exchange="ring", is_causal=True).astype(F32).sum()
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
+    pairs = _pairs_enclosing_compute(hlo)
+    assert pairs, "no async collective-permute in the scheduled HLO"
+    # K and V move c-1 times forward and c-1 times backward, each under a step's attention.
+    assert sum(pairs.values()) >= 4 * (c - 1), pairs
