@@ -1,0 +1,155 @@
+"""Byte-level text data, packed into fixed windows, loaded per process.
+
+Documents (files) become bytes followed by an end-of-document token ``EOD``,
+concatenated into one token stream. A window of ``S`` tokens carries, besides
+the tokens and next-token labels, the ``segment_ids`` of its documents, each
+token's ``positions`` within its document piece (restarting at the window start
+and at each document), and ``weights`` (0 where the label starts another
+document). The window of sample ``g = step * batch + row`` comes from a
+permutation of all windows seeded by ``(seed, epoch)``: the data order depends
+only on the seed and step, never on how many processes read it, so ``--resume``
+continues it exactly.
+Letters: B batch, S sequence.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sysconfig
+from pathlib import Path
+
+import jax
+import numpy as np
+
+__all__ = ["EOD", "Corpus", "Windows", "default_corpus_files", "load_corpus", "make_global_batch", "pack"]
+
+EOD = 256  # end of document; bytes are 0..255
+FIELDS = ("tokens", "labels", "positions", "segment_ids", "weights")
+
+
+def default_corpus_files() -> list[Path]:
+    """The running interpreter's standard-library ``.py`` files (no download needed)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
+
+
+def _files(path: str | os.PathLike | None) -> list[Path]:
+    if path is None:
+        return default_corpus_files()
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not any(s.startswith(".") for s in f.parts))
+        if files:
+            return files
+        raise ValueError(f"--data {path}: the folder holds no files.")
+    raise ValueError(f"--data {path}: no such file or folder.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Token streams (uint16) of the training and held-out documents."""
+
+    train: np.ndarray
+    eval: np.ndarray
+    num_docs: int
+
+
+def _stream(docs: list[bytes]) -> np.ndarray:
+    parts = []
+    for doc in docs:
+        parts.append(np.frombuffer(doc, np.uint8).astype(np.uint16))
+        parts.append(np.array([EOD], np.uint16))
+    return np.concatenate(parts) if parts else np.zeros((0,), np.uint16)
+
+
+def load_corpus(path: str | os.PathLike | None, *, eval_every: int = 20) -> Corpus:
+    """Reads every file under ``path`` (or the stdlib); every ``eval_every``-th document is held out.
+
+    With a single document, its last tenth is held out instead.
+    """
+    docs = [f.read_bytes() for f in _files(path)]
+    docs = [d for d in docs if d]
+    if not docs:
+        raise ValueError(f"--data {path}: no text found (all files are empty).")
+    if len(docs) == 1:
+        stream = _stream(docs)
+        cut = int(len(stream) * 0.9)
+        return Corpus(stream[:cut], stream[cut:], 1)
+    if len(docs) < eval_every:
+        kept, held = docs[:-1], docs[-1:]
+    else:
+        kept = [d for i, d in enumerate(docs) if i % eval_every != eval_every - 1]
+        held = [d for i, d in enumerate(docs) if i % eval_every == eval_every - 1]
+    return Corpus(_stream(kept), _stream(held), len(docs))
+
+
+def pack(stream: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """Windows ``stream[start : start + S + 1]`` -> ``[len(starts), S]`` arrays of :data:`FIELDS`."""
+    idx_BS = starts[:, None] + np.arange(seq_len + 1)[None, :]
+    chunk = stream[idx_BS].astype(np.int32)
+    tokens, labels = chunk[:, :-1], chunk[:, 1:]
+    is_eod = tokens == EOD
+    # A token starts a new document when the previous token ended one.
+    new_doc = np.concatenate([np.ones_like(is_eod[:, :1]), is_eod[:, :-1]], axis=1)
+    segment_ids = np.cumsum(new_doc, axis=1).astype(np.int32)
+    idx = np.broadcast_to(np.arange(seq_len), tokens.shape)
+    doc_start = np.maximum.accumulate(np.where(new_doc, idx, 0), axis=1)
+    positions = (idx - doc_start).astype(np.int32)
+    weights = (~is_eod).astype(np.float32)  # the label after EOD is the start of another document
+    return dict(tokens=tokens, labels=labels, positions=positions, segment_ids=segment_ids, weights=weights)
+
+
+class Windows:
+    """Deterministic windows of a stream: sample ``g`` -> a start offset.
+
+    Non-overlapping windows in a fresh permutation per epoch, seeded by ``(seed, epoch)``.
+    """
+
+    def __init__(self, stream: np.ndarray, seq_len: int, seed: int):
+        self.stream, self.seq_len, self.seed = stream, seq_len, seed
+        self.num_windows = (len(stream) - 1) // seq_len
+        self._perms: dict[int, np.ndarray] = {}
+        if self.num_windows < 1:
+            raise ValueError(f"the text has {len(stream)} tokens, fewer than seq_len+1={seq_len + 1}; "
+                             "use a shorter --seq-len or more --data.")
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:  # keep the last two epochs: a batch may straddle them
+            self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+        return self._perms[epoch]
+
+    def starts(self, samples: np.ndarray) -> np.ndarray:
+        epochs, within = np.divmod(samples, self.num_windows)
+        return np.array([self._perm(int(e))[w] for e, w in zip(epochs, within)], np.int64) * self.seq_len
+
+    def rows(self, step: int, batch: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows ``rows`` of the global batch of ``step``."""
+        return pack(self.stream, self.starts(step * batch + np.asarray(rows)), self.seq_len)
+
+
+def _process_indices(sharding, global_shape) -> tuple[np.ndarray, ...]:
+    """Per dimension, the sorted global indices this process's devices hold."""
+    per_dim = [set() for _ in global_shape]
+    for index in sharding.addressable_devices_indices_map(global_shape).values():
+        for d, (sl, n) in enumerate(zip(index, global_shape)):
+            per_dim[d].update(range(*sl.indices(n)))
+    return tuple(np.array(sorted(s), np.int64) for s in per_dim)
+
+
+def make_global_batch(windows: Windows, step: int, batch: int, sharding, *, order: np.ndarray | None = None):
+    """The global ``[B, S]`` arrays of ``step``, each process building only its own rows and columns.
+
+    ``order`` is a permutation of the sequence (the load-balance order) applied
+    to every field before sharding; ``None`` keeps the natural order.
+    """
+    shape = (batch, windows.seq_len)
+    rows, cols = _process_indices(sharding, shape)
+    local = windows.rows(step, batch, rows)
+    if order is not None:
+        cols = order[cols]  # reordered column j holds natural column order[j]
+    local = {k: v[:, cols] for k, v in local.items()}
+    return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local.items()}

@@ -1,0 +1,269 @@
+"""A Llama-style decoder in Flax NNX whose attention is ``jax_cp.CPAttention``.
+
+Token embedding -> L x [RMSNorm -> causal GQA attention (RoPE from global
+positions, optional QK-norm) -> residual -> RMSNorm -> SwiGLU MLP -> residual]
+-> RMSNorm -> tied or untied vocabulary head. Parameters are float32 and
+sharded over ``tp`` (heads, MLP columns/rows, vocabulary), optionally FSDP over
+``dp``; the matmuls run in ``dtype`` (bfloat16 by default).
+Letters: B batch, S sequence, D model width, F MLP width, V vocabulary.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_cp
+
+__all__ = [
+    "CONFIGS", "Llama", "LlamaConfig", "Sharding", "abstract_model", "get_config", "next_token_loss",
+    "param_count",
+]
+
+DP, TP = "dp", "tp"
+CP = ("cp_colossal", "cp_ulysses")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    """Shapes of one decoder; validated on creation."""
+
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    d_ff: int
+    rope_theta: float = 500_000.0
+    use_qk_norm: bool = False
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer.")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}.")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE.")
+
+
+CONFIGS = {
+    # Byte-level vocabulary (256 bytes + end-of-document, padded to a multiple of 64).
+    "tiny": LlamaConfig(vocab_size=320, d_model=128, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
+                        d_ff=384, rope_theta=10_000.0, use_qk_norm=True, tie_embeddings=True),
+    # Shapes only (for planning): never instantiated on the CPU; use abstract_model.
+    "llama3-8b": LlamaConfig(vocab_size=128_256, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                             head_dim=128, d_ff=14_336),
+    "llama3-70b": LlamaConfig(vocab_size=128_256, d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                              head_dim=128, d_ff=28_672),
+}
+
+
+def get_config(name: str) -> LlamaConfig:
+    if name not in CONFIGS:
+        raise ValueError(f"model={name!r} is unknown; choose one of {sorted(CONFIGS)}.")
+    return CONFIGS[name]
+
+
+def param_count(cfg: LlamaConfig) -> int:
+    """Number of parameters, from the shapes alone."""
+    D, H, K, d = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    attn = D * (H + 2 * K) * d + H * d * D + (2 * d if cfg.use_qk_norm else 0)
+    block = attn + 3 * D * cfg.d_ff + 2 * D
+    head = 0 if cfg.tie_embeddings else D * cfg.vocab_size
+    return cfg.vocab_size * D + cfg.num_layers * block + D + head
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sharding:
+    """Where parameters are stored and where activations live.
+
+    ``fsdp=True`` additionally shards every weight matrix over ``dp`` for
+    storage; each matmul gathers its weight to the ``tp``-only layout first
+    (:meth:`compute`).
+    """
+
+    fsdp: bool = False
+    x_BSD: P = P(DP, CP, None)
+    h_BSF: P = P(DP, CP, TP)
+    logits_BSV: P = P(DP, CP, TP)
+    tokens_BS: P = P(DP, CP)
+
+    def store(self, spec: P, shape, mesh) -> P:
+        """``spec`` (the tp layout), plus ``dp`` on the largest free dimension it divides when FSDP."""
+        dp = dict(mesh.shape)[DP]
+        if not self.fsdp or dp == 1:
+            return spec
+        dims = list(spec) + [None] * (len(shape) - len(spec))
+        free = [i for i, a in enumerate(dims) if a is None and shape[i] % dp == 0]
+        if not free:
+            return spec
+        dims[max(free, key=lambda i: shape[i])] = DP
+        return P(*dims)
+
+    @staticmethod
+    def compute(spec: P) -> P:
+        """The layout a weight is used in: its storage layout without ``dp``."""
+        return P(*(None if a == DP else a for a in spec))
+
+
+def _place(x, mesh, spec):
+    sharding = NamedSharding(mesh, spec)
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        return jax.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _param(mesh, sharding: Sharding, value, spec: P) -> nnx.Param:
+    spec = sharding.store(spec, value.shape, mesh)
+    return nnx.Param(_place(value, mesh, spec), out_sharding=tuple(spec), eager_sharding=False)
+
+
+def _weight(param: nnx.Param, mesh, dtype):
+    """A parameter in its compute layout (FSDP all-gather when stored over dp) and dtype."""
+    spec = Sharding.compute(P(*param.get_metadata()["out_sharding"]))
+    return _place(param[...], mesh, spec).astype(dtype)
+
+
+def rms_norm(x, scale, eps):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return y * scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + scale.shape)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, mesh, sharding: Sharding):
+        self.eps = eps
+        self.scale = _param(mesh, sharding, jnp.ones((dim,), jnp.float32), P(None))
+
+    def __call__(self, x):
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``(silu(x @ W_gate) * (x @ W_up)) @ W_down``, F split over tp."""
+
+    def __init__(self, cfg: LlamaConfig, *, mesh, sharding: Sharding, dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        D, F = cfg.d_model, cfg.d_ff
+        self.mesh, self.sharding, self.dtype = mesh, sharding, dtype
+        self.w_gate = _param(mesh, sharding, init(rngs.params(), (D, F), jnp.float32), P(None, TP))
+        self.w_up = _param(mesh, sharding, init(rngs.params(), (D, F), jnp.float32), P(None, TP))
+        self.w_down = _param(mesh, sharding, init(rngs.params(), (F, D), jnp.float32), P(TP, None))
+
+    def __call__(self, x_BSD):
+        m, dt = self.mesh, self.dtype
+        x = x_BSD.astype(dt)
+        gate_BSF = _place(jnp.einsum("bsd,df->bsf", x, _weight(self.w_gate, m, dt)), m, self.sharding.h_BSF)
+        up_BSF = _place(jnp.einsum("bsd,df->bsf", x, _weight(self.w_up, m, dt)), m, self.sharding.h_BSF)
+        h_BSF = jax.nn.silu(gate_BSF) * up_BSF
+        y_BSD = jnp.einsum("bsf,fd->bsd", h_BSF, _weight(self.w_down, m, dt))
+        return _place(y_BSD, m, self.sharding.x_BSD)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, mesh, sharding: Sharding, dtype, kernel: str, kv_exchange: str,
+                 rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, mesh=mesh, sharding=sharding)
+        self.attn = jax_cp.CPAttention(
+            cfg.d_model, cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, mesh=mesh,
+            is_causal=True, use_qk_norm=cfg.use_qk_norm, rope_theta=cfg.rope_theta, dtype=dtype,
+            kernel=kernel, kv_exchange=kv_exchange, rngs=rngs,
+        )
+        if sharding.fsdp:  # re-store the attention weights over dp too; CPAttention gathers them per call
+            for name, param in nnx.iter_graph(self.attn):
+                if isinstance(param, nnx.Param) and param[...].ndim > 1:
+                    spec = sharding.store(P(*param.get_metadata()["out_sharding"]), param.shape, mesh)
+                    param.set_value(_place(param[...], mesh, spec))
+                    param.set_metadata("out_sharding", tuple(spec))
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, mesh=mesh, sharding=sharding)
+        self.mlp = MLP(cfg, mesh=mesh, sharding=sharding, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
+        a = self.attn(self.attn_norm(x_BSD), positions=positions_BS, segment_ids=segment_ids_BS)
+        x_BSD = x_BSD + a.astype(x_BSD.dtype)
+        return x_BSD + self.mlp(self.mlp_norm(x_BSD)).astype(x_BSD.dtype)
+
+
+class Llama(nnx.Module):
+    """Decoder over a sequence sharded on ``mesh``; returns float32 logits ``[B, S, V]``.
+
+    ``positions`` are the global positions of the tokens in the order given
+    (after load-balance reordering, or restarting at each packed document);
+    ``segment_ids`` keep packed documents apart. The residual stream is float32.
+    """
+
+    def __init__(self, cfg: LlamaConfig, *, mesh, dtype=jnp.bfloat16, fsdp: bool = False, remat: bool = False,
+                 kernel: str = "auto", kv_exchange: str = "all_gather", rngs: nnx.Rngs):
+        self.cfg, self.mesh, self.dtype, self.remat = cfg, mesh, jnp.dtype(dtype), remat
+        self.sharding = sharding = Sharding(fsdp=fsdp)
+        V, D = cfg.vocab_size, cfg.d_model
+        embed = nnx.initializers.normal(0.02)(rngs.params(), (V, D), jnp.float32)
+        self.embed = _param(mesh, sharding, embed, P(TP, None))
+        self.blocks = nnx.List([
+            Block(cfg, mesh=mesh, sharding=sharding, dtype=self.dtype, kernel=kernel, kv_exchange=kv_exchange,
+                  rngs=rngs)
+            for _ in range(cfg.num_layers)
+        ])
+        self.final_norm = RMSNorm(D, eps=cfg.norm_eps, mesh=mesh, sharding=sharding)
+        if not cfg.tie_embeddings:
+            head = nnx.initializers.lecun_normal()(rngs.params(), (D, V), jnp.float32)
+            self.head = _param(mesh, sharding, head, P(None, TP))
+
+    def __call__(self, tokens_BS, *, positions, segment_ids=None):
+        m, sh = self.mesh, self.sharding
+        embed_VD = _weight(self.embed, m, jnp.float32)
+        x_BSD = _place(jnp.take(embed_VD, tokens_BS, axis=0), m, sh.x_BSD)
+
+        def apply(block, x, pos, seg):
+            return _place(block(x, pos, seg), m, sh.x_BSD)
+
+        if self.remat:
+            apply = nnx.remat(apply)
+        for block in self.blocks:
+            x_BSD = apply(block, x_BSD, positions, segment_ids)
+        h_BSD = self.final_norm(x_BSD).astype(self.dtype)
+        if self.cfg.tie_embeddings:
+            w_DV = _weight(self.embed, m, self.dtype).T
+        else:
+            w_DV = _weight(self.head, m, self.dtype)
+        logits = jnp.einsum("bsd,dv->bsv", h_BSD, w_DV, preferred_element_type=jnp.float32)
+        return _place(logits, m, sh.logits_BSV)
+
+
+def next_token_loss(model: Llama, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """Mean cross entropy over the tokens with ``weights`` 1, and that token count.
+
+    ``batch`` holds ``[B, S]`` arrays ``tokens``, ``labels``, ``positions``,
+    ``segment_ids`` and ``weights`` (0 where the label belongs to another document).
+    """
+    logits = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll_BS = -jnp.take_along_axis(logp, batch["labels"][..., None].astype(jnp.int32), axis=-1)[..., 0]
+    w = batch["weights"].astype(jnp.float32)
+    count = jnp.sum(w)
+    return jnp.sum(nll_BS * w) / jnp.maximum(count, 1.0), count
+
+
+def abstract_model(cfg: LlamaConfig | str, mesh=None, **kw) -> Llama:
+    """The model with ``jax.ShapeDtypeStruct`` leaves: shapes and shardings without allocating.
+
+    ``nnx.state(abstract_model("llama3-70b", mesh))`` gives every parameter's
+    shape and sharding on ``mesh`` (default: one device), e.g. for the planner.
+    """
+    cfg = get_config(cfg) if isinstance(cfg, str) else cfg
+    mesh = jax_cp.make_mesh(devices=jax.devices()[:1], axis_types=AxisType.Auto) if mesh is None else mesh
+    return nnx.eval_shape(lambda: Llama(cfg, mesh=mesh, rngs=nnx.Rngs(0), **kw))
+
+
+def parameter_bytes(model: Llama) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

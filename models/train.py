@@ -1,0 +1,485 @@
+"""Trains the Llama-style model on a context-parallel mesh: ``python -m models.train --help``.
+
+One process or many (``--coordinator host:port --num-processes N --process-id i``,
+or a TPU pod's environment). Each step: the global batch (built per process,
+load-balanced along the sequence) -> loss and gradients (bfloat16 compute,
+float32 parameters) -> AdamW with gradient clipping and warmup + cosine decay.
+Writes ``OUT/metrics.jsonl``, ``OUT/loss.png``, ``OUT/summary.json`` and orbax
+checkpoints (atomic: a kill during a save leaves the previous one usable);
+``--resume`` continues from the latest one with the same data order.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from tqdm import tqdm
+
+import jax_cp
+from jax_cp import load_balance
+from models import data as data_lib
+from models.llama import Llama, Sharding, abstract_model, get_config, next_token_loss
+
+__all__ = ["TrainConfig", "main", "parse_args", "run"]
+
+PROG = "python -m models.train"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything a run depends on; validated on creation (device-independent checks)."""
+
+    devices: int | None = None
+    dp: int | None = None
+    cp_colossal: int = 1
+    cp_ulysses: int = 1
+    tp: int = 1
+    fsdp: bool = False
+    model: str = "tiny"
+    seq_len: int = 256
+    batch: int = 8
+    steps: int = 300
+    lr: float = 3e-3
+    warmup: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    dtype: str = "bfloat16"
+    kv_exchange: str = "all_gather"
+    kernel: str = "auto"
+    load_balance: bool = True
+    remat: bool = False
+    data: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 100
+    resume: bool = False
+    seed: int = 0
+    eval_every: int = 50
+    eval_batches: int = 2
+    out: str = "runs/train"
+    progress: bool = True
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    heartbeat_timeout: int = 30
+    debug_step_sleep: float = 0.0  # test hook: widens the window in which a run can be killed
+
+    def __post_init__(self):
+        from models.llama import CONFIGS
+
+        positive = ["cp_colossal", "cp_ulysses", "tp", "seq_len", "batch", "steps", "heartbeat_timeout"]
+        positive += [n for n in ("devices", "dp", "num_processes") if getattr(self, n) is not None]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={value} must be a positive integer.")
+        for name in ("warmup", "checkpoint_every", "eval_every", "eval_batches", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 0.")
+        if self.warmup >= self.steps:
+            raise ValueError(f"--warmup={self.warmup} must be smaller than --steps={self.steps}.")
+        if not self.lr > 0:
+            raise ValueError(f"--lr={self.lr} must be > 0.")
+        if self.model not in CONFIGS:
+            raise ValueError(f"--model={self.model!r} is unknown; choose one of {sorted(CONFIGS)}.")
+        if self.model != "tiny":
+            raise ValueError(f"--model={self.model!r} is a shape for planning only; train --model tiny here.")
+        cp = self.cp_colossal * self.cp_ulysses
+        if self.seq_len % cp:
+            raise ValueError(f"--seq-len={self.seq_len} is not divisible by cp_colossal*cp_ulysses="
+                             f"{self.cp_colossal}*{self.cp_ulysses}={cp}; use a multiple of {cp}.")
+        if self.load_balance and self.cp_colossal > 1 and self.seq_len % (2 * cp):
+            raise ValueError(f"--seq-len={self.seq_len} is not divisible by 2*cp_colossal*cp_ulysses={2 * cp}, "
+                             "as causal load balancing needs; use a multiple of it (or --no-load-balance).")
+        if self.data is not None and not Path(self.data).exists():
+            raise ValueError(f"--data {self.data}: no such file or folder.")
+        multi = (self.coordinator, self.num_processes, self.process_id)
+        if any(v is not None for v in multi) and not all(v is not None for v in multi):
+            raise ValueError("multi-process runs need all of --coordinator HOST:PORT, --num-processes N and "
+                             "--process-id I.")
+        if self.process_id is not None and not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"--process-id={self.process_id} must be in [0, --num-processes={self.num_processes}).")
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.out) / "checkpoints"
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = TrainConfig()
+    g = p.add_argument_group("mesh (dp takes the devices left over)")
+    g.add_argument("--devices", type=int, help="simulated CPU devices per process (CPU only)")
+    g.add_argument("--dp", type=int, help="data-parallel degree (default: the rest)")
+    g.add_argument("--cp-colossal", type=int, default=d.cp_colossal, help="K/V all-gather sequence parallelism")
+    g.add_argument("--cp-ulysses", type=int, default=d.cp_ulysses, help="all-to-all sequence parallelism")
+    g.add_argument("--tp", type=int, default=d.tp, help="tensor parallelism over heads")
+    g.add_argument("--fsdp", action="store_true", help="also shard parameters and optimizer state over dp")
+    g = p.add_argument_group("model and optimisation")
+    g.add_argument("--model", default=d.model, help="tiny (llama3-8b/70b are shapes for planning)")
+    g.add_argument("--seq-len", type=int, default=d.seq_len)
+    g.add_argument("--batch", type=int, default=d.batch, help="global batch (sequences per step)")
+    g.add_argument("--steps", type=int, default=d.steps, help="total steps (including resumed ones)")
+    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    g.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps, then cosine decay")
+    g.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    g.add_argument("--clip", type=float, default=d.clip, help="global gradient-norm clip")
+    g.add_argument("--dtype", choices=("bfloat16", "float32"), default=d.dtype, help="compute dtype")
+    g.add_argument("--kv-exchange", default=d.kv_exchange, help="colossal K/V exchange (see jax_cp)")
+    g.add_argument("--kernel", default=d.kernel, help="local attention kernel (see jax_cp.kernels)")
+    g.add_argument("--no-load-balance", dest="load_balance", action="store_false",
+                   help="keep the natural sequence order (causal load balancing is on by default)")
+    g.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
+    g = p.add_argument_group("data, checkpoints, logs")
+    g.add_argument("--data", help="text file or folder (default: this Python's standard library)")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--out", default=d.out, help="metrics.jsonl, loss.png, summary.json go here")
+    g.add_argument("--checkpoint-dir", help="default: OUT/checkpoints")
+    g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help="steps between checkpoints (0: none; otherwise the last step is saved too)")
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    g.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between eval losses (0: end only)")
+    g.add_argument("--eval-batches", type=int, default=d.eval_batches, help="held-out batches per eval (0: none)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g = p.add_argument_group("multi-process")
+    g.add_argument("--coordinator", help="HOST:PORT of process 0")
+    g.add_argument("--num-processes", type=int)
+    g.add_argument("--process-id", type=int)
+    g.add_argument("--heartbeat-timeout", type=int, default=d.heartbeat_timeout,
+                   help="seconds after which a silent process fails the run")
+    g.add_argument("--debug-step-sleep", type=float, default=0.0, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv=None) -> TrainConfig:
+    parser = _build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return TrainConfig(**vars(ns))
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def _pod_environment() -> bool:
+    """A multi-host TPU slice announces its workers; jax.distributed then auto-detects the rest."""
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    return "," in hosts or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ
+
+
+def init_jax(cfg: TrainConfig) -> None:
+    """Simulated CPU devices and the multi-process runtime, before JAX's backend starts."""
+    if cfg.devices is not None:
+        jax.config.update("jax_num_cpu_devices", cfg.devices)
+    if cfg.coordinator is not None:
+        if "cpu" in os.environ.get("JAX_PLATFORMS", "") or cfg.devices is not None:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(cfg.coordinator, num_processes=cfg.num_processes, process_id=cfg.process_id,
+                                   initialization_timeout=120, heartbeat_timeout_seconds=cfg.heartbeat_timeout,
+                                   shutdown_timeout_seconds=30)
+    elif _pod_environment():
+        jax.distributed.initialize(heartbeat_timeout_seconds=cfg.heartbeat_timeout)
+    if cfg.devices is not None and jax.default_backend() != "cpu":
+        raise ValueError(f"--devices={cfg.devices} simulates CPU devices, but the platform is "
+                         f"{jax.default_backend()!r}; drop --devices there.")
+
+
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a run needs besides its config, checked before anything is allocated."""
+
+    mesh: jax.sharding.Mesh
+    train_windows: data_lib.Windows
+    eval_windows: data_lib.Windows
+    order: np.ndarray | None  # load-balance permutation of the sequence
+    batch_sharding: NamedSharding
+
+
+def setup(cfg: TrainConfig, devices=None) -> Setup:
+    """Mesh, model shapes and data; every problem here is a ``ValueError`` naming the fix."""
+    devices = jax.devices() if devices is None else list(devices)
+    mesh = jax_cp.make_mesh(cp_colossal=cfg.cp_colossal, cp_ulysses=cfg.cp_ulysses, tp=cfg.tp, dp=cfg.dp,
+                            devices=devices, axis_types=AxisType.Auto)
+    dims = jax_cp.mesh_dims(mesh)
+    if cfg.batch % dims.dp:
+        raise ValueError(f"--batch={cfg.batch} is not divisible by dp={dims.dp}; use a multiple of {dims.dp}.")
+    abstract_model(get_config(cfg.model), mesh, **_model_kwargs(cfg))  # head/kernel/exchange checks, no memory
+    if jax.process_count() > 1:
+        _check_same_flags(cfg)
+    corpus = data_lib.load_corpus(cfg.data)
+    train_windows = data_lib.Windows(corpus.train, cfg.seq_len, cfg.seed)
+    eval_windows = data_lib.Windows(corpus.eval, cfg.seq_len, seed=1_000_003)
+    order = None
+    if cfg.load_balance and dims.c > 1:
+        order = np.asarray(load_balance.reorder(np.arange(cfg.seq_len), mesh, axis=0))
+    return Setup(mesh, train_windows, eval_windows, order, NamedSharding(mesh, Sharding().tokens_BS))
+
+
+def _check_same_flags(cfg: TrainConfig) -> None:
+    """Processes started with different flags would hang in mismatched collectives; fail instead."""
+    from jax.experimental import multihost_utils
+
+    flags = dataclasses.asdict(cfg) | {"process_id": None, "ckpt_dir": str(cfg.ckpt_dir.absolute())}
+    digest = hashlib.sha256(json.dumps(flags, sort_keys=True).encode()).digest()
+    try:
+        multihost_utils.assert_equal(np.frombuffer(digest[:16], np.int32), "flags differ")
+    except AssertionError:
+        raise ValueError("the processes were started with different flags; all but --process-id must match "
+                         "(--out and --checkpoint-dir included: checkpoints need one shared directory).") from None
+
+
+def _model_kwargs(cfg: TrainConfig) -> dict:
+    return dict(dtype=jnp.dtype(cfg.dtype), fsdp=cfg.fsdp, remat=cfg.remat, kernel=cfg.kernel,
+                kv_exchange=cfg.kv_exchange)
+
+
+def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup, decay_steps=cfg.steps,
+        end_value=cfg.lr * cfg.min_lr_ratio)
+    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim > 1, params)  # no decay on norms
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask))
+    return tx, schedule
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+_META_KEYS = ("model", "seq_len", "batch", "seed", "data", "steps", "lr", "warmup")
+
+
+def _manager(cfg: TrainConfig) -> ocp.CheckpointManager:
+    if jax.process_count() > 1:
+        # Orbax's default barrier is a device collective, which can interleave with the training
+        # step's collectives in another order on another process (async saves run in a thread) and
+        # deadlock; the coordination service's barrier cannot, and it times out.
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        flags.FLAGS["experimental_orbax_use_distributed_barrier"].value = True
+    # Orbax writes each step into a temporary directory and renames it when complete,
+    # so a kill during a save leaves the previous step as the latest usable one.
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True, cleanup_tmp_directories=True)
+    return ocp.CheckpointManager(cfg.ckpt_dir.absolute(), options=options, item_names=("state", "meta"))
+
+
+def _save(mngr, step: int, state, cfg: TrainConfig) -> None:
+    meta = {k: getattr(cfg, k) for k in _META_KEYS} | {"step": step}
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(nnx.to_pure_dict(state)),
+                                            meta=ocp.args.JsonSave(meta)))
+
+
+def _restore(mngr, state, cfg: TrainConfig) -> int:
+    """Loads the latest checkpoint into ``state`` (in place, onto its shardings); returns its step."""
+    step = mngr.latest_step()
+    if step is None:
+        return 0
+    pure = nnx.to_pure_dict(state)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), pure)
+    got = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                     meta=ocp.args.JsonRestore()))
+    meta = dict(got["meta"])
+    for key in ("model", "seq_len", "batch", "seed", "data"):
+        if meta.get(key) != getattr(cfg, key):
+            raise ValueError(f"--resume: the checkpoint in {cfg.ckpt_dir} was made with {key}={meta.get(key)!r}, "
+                             f"this run has {key}={getattr(cfg, key)!r}; use the same value or another "
+                             "--checkpoint-dir.")
+    nnx.replace_by_pure_dict(state, got["state"])
+    return step
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _log(fh, record: dict) -> None:
+    if fh is not None:
+        fh.write(json.dumps(record) + "\n")
+        fh.flush()
+
+
+def train(cfg: TrainConfig, s: Setup) -> dict:
+    """Runs the training loop; returns the summary (also written to ``OUT/summary.json``)."""
+    t0 = time.perf_counter()
+    main_process = jax.process_index() == 0
+    out = Path(cfg.out)
+    tx, schedule = make_optimizer(cfg)
+    model_cfg = get_config(cfg.model)
+
+    def init():
+        model = Llama(model_cfg, mesh=s.mesh, rngs=nnx.Rngs(cfg.seed), **_model_kwargs(cfg))
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    with jax.set_mesh(s.mesh):
+        graphdef, state = nnx.split(nnx.jit(init)())
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+
+    def train_step(state, batch):
+        model, opt = nnx.merge(graphdef, state)
+        (loss, _), grads = nnx.value_and_grad(next_token_loss, has_aux=True)(model, batch)
+        opt.update(model, grads)
+        return nnx.state((model, opt)), {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+    def eval_step(state, batch):
+        model, _ = nnx.merge(graphdef, state)
+        return next_token_loss(model, batch)
+
+    train_step = jax.jit(train_step, out_shardings=(shardings, None), donate_argnums=0)
+    eval_step = jax.jit(eval_step)
+
+    mngr = _manager(cfg) if (cfg.checkpoint_every or cfg.resume) else None
+    start = 0
+    if cfg.resume:
+        with jax.set_mesh(s.mesh):
+            start = _restore(mngr, state, cfg)
+    if start >= cfg.steps:
+        mngr.close()
+        if main_process:
+            print(f"--resume: the checkpoint in {cfg.ckpt_dir} is at step {start} >= --steps={cfg.steps}; "
+                  "nothing to do.")
+        return {"start_step": start, "steps": cfg.steps, "losses": {}}
+
+    def batch_at(windows, step):
+        return data_lib.make_global_batch(windows, step, cfg.batch, s.batch_sharding, order=s.order)
+
+    def evaluate(state):
+        losses = [eval_step(state, batch_at(s.eval_windows, i)) for i in range(cfg.eval_batches)]
+        num = sum(float(l) * float(c) for l, c in losses)
+        return num / max(sum(float(c) for _, c in losses), 1.0)
+
+    fh = None
+    if main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        fh = open(out / "metrics.jsonl", "a" if cfg.resume else "w")
+    dims = jax_cp.mesh_dims(s.mesh)
+    _log(fh, {"event": "start", "step": start, "processes": jax.process_count(), "devices": jax.device_count(),
+              "mesh": dataclasses.asdict(dims), "config": dataclasses.asdict(cfg)})
+    tokens_per_step = cfg.batch * cfg.seq_len
+    losses, eval_loss, compile_s, timed_s = {}, None, None, 0.0
+    bar = tqdm(total=cfg.steps, initial=start, disable=not (main_process and cfg.progress), dynamic_ncols=True,
+               mininterval=1.0, file=sys.stderr, desc=f"train {cfg.model}")
+    with jax.set_mesh(s.mesh):
+        for step in range(start + 1, cfg.steps + 1):
+            t_step = time.perf_counter()
+            state, metrics = train_step(state, batch_at(s.train_windows, step - 1))
+            loss = float(metrics["loss"])
+            now = time.perf_counter()
+            if compile_s is None:
+                compile_s = now - t_step  # the first step compiles; it is left out of the throughput
+            else:
+                timed_s += now - t_step
+            losses[step] = loss
+            tps = tokens_per_step * (step - start - 1) / timed_s if timed_s else float("nan")
+            record = {"event": "train", "step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                      "lr": float(schedule(step - 1)), "step_s": now - t_step, "tokens_per_s": tps}
+            _log(fh, record)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:.0f}", refresh=False)
+            bar.update(1)
+            if cfg.eval_batches and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
+                eval_loss = evaluate(state)
+                _log(fh, {"event": "eval", "step": step, "eval_loss": eval_loss})
+                bar.write(f"step {step}: eval loss {eval_loss:.4f}") if main_process and cfg.progress else None
+            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+                _save(mngr, step, state, cfg)
+                _log(fh, {"event": "checkpoint", "step": step})
+            if cfg.debug_step_sleep:
+                time.sleep(cfg.debug_step_sleep)
+    bar.close()
+    if mngr is not None:
+        mngr.wait_until_finished()
+        mngr.close()
+    n_timed = cfg.steps - start - 1
+    summary = {
+        "model": cfg.model, "mesh": dataclasses.asdict(dims), "processes": jax.process_count(),
+        "devices": jax.device_count(), "platform": jax.default_backend(), "start_step": start,
+        "steps": cfg.steps, "first_loss": losses[start + 1], "last_loss": losses[cfg.steps], "eval_loss": eval_loss,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_step * n_timed / timed_s if n_timed else None,
+        "compile_s": compile_s, "wall_s": time.perf_counter() - t0, "losses": losses,
+    }
+    _log(fh, {"event": "end", **{k: v for k, v in summary.items() if k != "losses"}})
+    if main_process:
+        fh.close()
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        plot_losses(out / "metrics.jsonl", out / "loss.png")
+    return summary
+
+
+def read_metrics(path) -> tuple[dict[int, float], dict[int, float]]:
+    """Train and eval losses by step from a JSONL log; a resumed step keeps its latest value."""
+    train, evals = {}, {}
+    for line in Path(path).read_text().splitlines():
+        rec = json.loads(line)
+        if rec["event"] == "train":
+            train[rec["step"]] = rec["loss"]
+        elif rec["event"] == "eval":
+            evals[rec["step"]] = rec["eval_loss"]
+    return train, evals
+
+
+def plot_losses(metrics_path, png_path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, evals = read_metrics(metrics_path)
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot(list(train), list(train.values()), lw=1, label="train")
+    if evals:
+        ax.plot(list(evals), list(evals.values()), "o-", ms=3, label="held-out")
+    ax.set(xlabel="step", ylabel="loss (nats/byte)", title=f"{png_path.parent.name}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+
+
+def run(cfg: TrainConfig, devices=None) -> dict:
+    """Trains in this process (JAX already initialised) on ``devices``; returns the summary."""
+    return train(cfg, setup(cfg, devices=devices))
+
+
+def main(argv=None) -> None:
+    cfg = parse_args(argv)
+    try:
+        init_jax(cfg)
+        prepared = setup(cfg)
+    except ValueError as e:
+        sys.stderr.write(f"{PROG}: error: {e}\n")
+        raise SystemExit(2) from None
+    summary = train(cfg, prepared)
+    if jax.process_index() == 0 and summary["losses"]:
+        print(f"trained {cfg.model} steps {summary['start_step'] + 1}-{cfg.steps} on {summary['devices']} "
+              f"{summary['platform']} devices: loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
+              f"eval {summary['eval_loss'] or float('nan'):.3f}, {summary['tokens_per_s'] or float('nan'):.0f} tokens/s, "
+              f"{summary['wall_s']:.0f} s (compile {summary['compile_s']:.0f} s); logs in {cfg.out}")
+
+
+if __name__ == "__main__":
+    main()

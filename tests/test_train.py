@@ -1,0 +1,337 @@
+"""The Llama-style model, its data pipeline and ``python -m models.train``.
+
+In-process runs use the 8 simulated devices of this test process; runs that must
+be separate processes (killed, resumed, two processes over gloo, bad flags at the
+command line) share a compilation cache so each program compiles once.
+Losses compared across meshes or processes are computed in float32 (``--dtype
+float32``) with the float32 tolerance; a resumed run is compared bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_cp
+from conftest import needs_devices
+from models import data as data_lib
+from models import llama, train
+from util import TOL
+
+ROOT = Path(__file__).resolve().parents[1]
+# The smallest run that still crosses every axis: B=2, S=32 on a (dp=1, c=2, u=2, t=2) mesh.
+SMALL = ["--model", "tiny", "--seq-len", "32", "--batch", "2", "--warmup", "1", "--eval-every", "0",
+         "--no-progress"]
+HYBRID = ["--cp-colossal", "2", "--cp-ulysses", "2", "--tp", "2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A dozen standard-library files: real text, small, the same for every run."""
+    folder = tmp_path_factory.mktemp("corpus")
+    for i, f in enumerate(data_lib.default_corpus_files()[:12]):
+        shutil.copy(f, folder / f"{i:02d}_{f.name}")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cache_env(tmp_path_factory) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env.pop("XLA_FLAGS", None)  # conftest's 8-device flag; each subprocess sets its own count
+    return env
+
+
+def _cli(*args) -> list[str]:
+    return [sys.executable, "-m", "models.train", *map(str, args)]
+
+
+def _losses(out: Path) -> dict[int, float]:
+    return train.read_metrics(out / "metrics.jsonl")[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load_state(step_dir: Path) -> dict:
+    """A checkpoint's training state as numpy arrays, whatever devices saved it."""
+    import orbax.checkpoint as ocp
+
+    ckptr = ocp.PyTreeCheckpointer()
+    meta = ckptr.metadata(step_dir / "state")
+    meta = getattr(meta, "item_metadata", meta)
+    meta = getattr(meta, "tree", meta)
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+    return ckptr.restore(step_dir / "state", args=ocp.args.PyTreeRestore(restore_args=args))
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def test_named_configs_shapes_without_memory():
+    """The planning shapes are exact (Llama 3 8B has 8.03e9 parameters) and never allocated."""
+    abstract = llama.abstract_model("llama3-8b")
+    leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert sum(x.size for x in leaves) == llama.param_count(llama.CONFIGS["llama3-8b"]) == 8_030_261_248
+    assert llama.param_count(llama.CONFIGS["llama3-70b"]) == 70_553_706_496
+    with pytest.raises(ValueError, match=r"model='llama3-7b' is unknown; choose one of"):
+        llama.get_config("llama3-7b")
+
+
+def _batch(mesh, B=2, S=32, seed=0, docs=True):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 256, (B, S + 1))
+    if docs:
+        tokens[:, S // 3] = data_lib.EOD
+    fields = data_lib.pack(tokens.reshape(-1).astype(np.uint16), np.arange(B) * (S + 1), S)
+    sharding = NamedSharding(mesh, P("dp", ("cp_colossal", "cp_ulysses")))
+    return {k: jax.device_put(v, sharding) for k, v in fields.items()}
+
+
+def _loss_and_grads(model, batch):
+    fn = nnx.jit(nnx.value_and_grad(llama.next_token_loss, has_aux=True))
+    (loss, _), grads = fn(model, batch)
+    return float(loss), nnx.to_pure_dict(grads)
+
+
+@needs_devices(8)
+def test_remat_and_fsdp_change_nothing_but_memory():
+    """Remat plus FSDP over dp give the loss and gradients of the plain model (float32)."""
+    mesh = jax_cp.make_mesh(cp_colossal=2, tp=2, dp=2, axis_types=AxisType.Auto)
+    cfg = llama.CONFIGS["tiny"]
+    batch = _batch(mesh, B=4)
+    results = {}
+    for name, kw in {"plain": {}, "remat+fsdp": dict(remat=True, fsdp=True)}.items():
+        with jax.set_mesh(mesh):
+            model = nnx.jit(lambda: llama.Llama(cfg, mesh=mesh, dtype=jnp.float32, rngs=nnx.Rngs(0), **kw))()
+            results[name] = _loss_and_grads(model, batch)
+    for w, spec in ((model.blocks[0].mlp.w_gate, P("dp", "tp")), (model.blocks[0].attn.q_kernel, P("dp", "tp", None)),
+                    (model.embed, P("tp", "dp"))):
+        assert w[...].sharding.is_equivalent_to(NamedSharding(mesh, spec), w.ndim), (w[...].sharding.spec, spec)
+    tol = TOL[jnp.dtype(jnp.float32)]
+    (loss, grads), (loss_v, grads_v) = results["plain"], results["remat+fsdp"]
+    np.testing.assert_allclose(loss_v, loss, **tol)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads_v), jax.tree.leaves(grads)):
+        scale = max(1.0, float(np.abs(r).max()))
+        np.testing.assert_allclose(g, r, rtol=tol["rtol"], atol=tol["atol"] * scale, err_msg=str(path))
+
+
+@needs_devices(8)
+def test_causal_across_documents_and_devices():
+    """A token's logits do not depend on later tokens, nor on other packed documents."""
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2, axis_types=AxisType.Auto)
+    with jax.set_mesh(mesh):
+        model = nnx.jit(lambda: llama.Llama(llama.CONFIGS["tiny"], mesh=mesh, dtype=jnp.float32,
+                                            rngs=nnx.Rngs(0)))()
+    batch = _batch(mesh, B=2)
+    fwd = nnx.jit(lambda m, b: m(b["tokens"], positions=b["positions"], segment_ids=b["segment_ids"]))
+    changed = dict(batch)
+    t = 20  # in the second document (the first ends at 32 // 3 = 10)
+    changed["tokens"] = batch["tokens"].at[:, t:].set((batch["tokens"][:, t:] + 1) % 256)
+    a, b = np.asarray(fwd(model, batch)), np.asarray(fwd(model, changed))
+    np.testing.assert_array_equal(a[:, :t], b[:, :t])
+    assert np.abs(a[:, t:] - b[:, t:]).max() > 1e-3
+    first_doc = dict(batch)
+    first_doc["tokens"] = batch["tokens"].at[:, :5].set(7)
+    c = np.asarray(fwd(model, first_doc))
+    np.testing.assert_array_equal(a[:, 11:], c[:, 11:])  # document 2 never sees document 1
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_pack_positions_segments_weights():
+    stream = np.array([1, 2, data_lib.EOD, 3, 4, 5, data_lib.EOD, 6, 7], np.uint16)
+    f = data_lib.pack(stream, np.array([0, 1]), 6)
+    np.testing.assert_array_equal(f["tokens"][0], [1, 2, data_lib.EOD, 3, 4, 5])
+    np.testing.assert_array_equal(f["labels"][0], [2, data_lib.EOD, 3, 4, 5, data_lib.EOD])
+    np.testing.assert_array_equal(f["segment_ids"][0], [1, 1, 1, 2, 2, 2])
+    np.testing.assert_array_equal(f["positions"][0], [0, 1, 2, 0, 1, 2])
+    np.testing.assert_array_equal(f["weights"][0], [1, 1, 0, 1, 1, 1])  # EOD -> next document: not a target
+    np.testing.assert_array_equal(f["positions"][1], [0, 1, 0, 1, 2, 3])  # restarts at the window start
+
+
+@needs_devices(8)
+def test_global_batch_is_the_balanced_order_of_the_windows(corpus):
+    """Per-process assembly gives the load-balanced order of the same rows; the order depends on seed and step."""
+    c = data_lib.load_corpus(corpus)
+    assert c.num_docs == 12 and len(c.eval) > 0 and len(c.train) > 0
+    windows = data_lib.Windows(c.train, 32, seed=3)
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, dp=2, axis_types=AxisType.Auto)
+    order = np.asarray(jax_cp.load_balance.reorder(np.arange(32), mesh, axis=0))
+    sharding = NamedSharding(mesh, P("dp", ("cp_colossal", "cp_ulysses")))
+    got = data_lib.make_global_batch(windows, 5, 4, sharding, order=order)
+    want = windows.rows(5, 4, np.arange(4))
+    for k in data_lib.FIELDS:
+        np.testing.assert_array_equal(np.asarray(got[k]), want[k][:, order], err_msg=k)
+        assert got[k].sharding.is_equivalent_to(sharding, 2)
+    again = data_lib.Windows(c.train, 32, seed=3).rows(5, 4, np.arange(4))
+    np.testing.assert_array_equal(again["tokens"], want["tokens"])
+    other = data_lib.Windows(c.train, 32, seed=4).rows(5, 4, np.arange(4))
+    assert not np.array_equal(other["tokens"], want["tokens"])
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@needs_devices(8)
+def test_cp_equals_no_cp(corpus, tmp_path):
+    """Same seed and data: 5 steps on a (cp_colossal=2, cp_ulysses=2, tp=2) mesh, load-balanced, and on
+    one device give the same losses (float32 compute)."""
+    common = dict(model="tiny", seq_len=32, batch=2, steps=5, warmup=1, dtype="float32", data=str(corpus),
+                  checkpoint_every=0, eval_batches=0, progress=False)
+    cp = train.run(train.TrainConfig(cp_colossal=2, cp_ulysses=2, tp=2, out=str(tmp_path / "cp"), **common))
+    one = train.run(train.TrainConfig(out=str(tmp_path / "one"), **common), devices=jax.devices()[:1])
+    assert cp["mesh"] == {"dp": 1, "c": 2, "u": 2, "t": 2} and one["mesh"] == {"dp": 1, "c": 1, "u": 1, "t": 1}
+    steps = sorted(one["losses"])
+    assert steps == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose([cp["losses"][s] for s in steps], [one["losses"][s] for s in steps],
+                               **TOL[jnp.dtype(jnp.float32)])
+    assert one["losses"][5] < one["losses"][1]
+    assert (tmp_path / "cp" / "loss.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_kill_and_resume_matches_uninterrupted(corpus, cache_env, tmp_path):
+    """SIGKILL after a checkpoint (and a save cut short), then --resume: same losses and parameters, bit for bit."""
+    args = [*SMALL, *HYBRID, "--devices", "8", "--steps", "6", "--checkpoint-every", "2", "--data", corpus]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    subprocess.run(_cli(*args, "--out", full), env=cache_env, cwd=ROOT, check=True, timeout=300,
+                   capture_output=True)
+    proc = subprocess.Popen(_cli(*args, "--out", cut, "--debug-step-sleep", "1"), env=cache_env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while not (cut / "checkpoints" / "2").is_dir():  # renamed into place only once complete
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    done = sorted(int(p.name) for p in (cut / "checkpoints").iterdir() if p.name.isdigit())
+    assert done and done[-1] < 6, done
+    # What a kill during the next save leaves behind: a temporary directory, never the step's own name.
+    partial = cut / "checkpoints" / f"{done[-1] + 2}.orbax-checkpoint-tmp"
+    (partial / "state").mkdir(parents=True, exist_ok=True)
+    (partial / "state" / "truncated").write_bytes(b"\0" * 7)
+    res = subprocess.run(_cli(*args, "--out", cut, "--resume"), env=cache_env, cwd=ROOT, timeout=300,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    starts = [r for r in (cut / "metrics.jsonl").read_text().splitlines() if '"start"' in r]
+    assert f'"step": {done[-1]},' in starts[-1]
+    assert _losses(cut) == _losses(full) and sorted(_losses(full)) == [1, 2, 3, 4, 5, 6]
+    a, b = _load_state(full / "checkpoints" / "6"), _load_state(cut / "checkpoints" / "6")
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y, err_msg=str(path))
+
+
+def _two_processes(args, out, env, extra=()):
+    port = _free_port()
+    common = [*args, "--devices", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+              "--heartbeat-timeout", "10", "--out", out, *extra]
+    return [subprocess.Popen(_cli(*common, "--process-id", i), env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+
+
+@pytest.mark.slow
+@needs_devices(8)
+def test_two_processes_equal_one(corpus, cache_env, tmp_path):
+    """2 processes x 4 CPU devices (gloo over loopback) train exactly like 1 process x 8 devices."""
+    args = [*SMALL, *HYBRID, "--steps", "4", "--dtype", "float32", "--checkpoint-every", "2", "--data", corpus]
+    procs = _two_processes(args, tmp_path / "two", cache_env)
+    one = train.run(train.parse_args([*map(str, args), "--out", str(tmp_path / "one"), "--checkpoint-every", "0",
+                                      "--eval-batches", "0"]))
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-3000:]
+    two = _losses(tmp_path / "two")
+    assert sorted(two) == [1, 2, 3, 4]
+    np.testing.assert_allclose([two[s] for s in sorted(two)], [one["losses"][s] for s in sorted(two)],
+                               **TOL[jnp.dtype(jnp.float32)])
+    assert (tmp_path / "two" / "checkpoints" / "4").is_dir()  # both processes wrote one shared checkpoint
+
+
+@pytest.mark.slow
+def test_a_dead_process_fails_the_other(corpus, cache_env, tmp_path):
+    """SIGKILL one of two processes mid-run: the other exits non-zero in bounded time, it does not hang."""
+    args = [*SMALL, *HYBRID, "--steps", "100", "--checkpoint-every", "0", "--eval-batches", "0", "--data", corpus]
+    procs = _two_processes(args, tmp_path / "run", cache_env, extra=["--debug-step-sleep", "0.5"])
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count('"train"') >= 2):
+        assert all(p.poll() is None for p in procs), procs[0].communicate()[0][-2000:]
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.1)
+    procs[1].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    out, _ = procs[0].communicate(timeout=90)  # heartbeat timeout 10 s; a hang fails here
+    procs[1].communicate()
+    assert procs[0].returncode != 0
+    assert time.monotonic() - t0 < 90
+    assert "heartbeat" in out or "unhealthy" in out or "Gloo" in out, out[-2000:]
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--seq-len", "30", *HYBRID], r"--seq-len=30 is not divisible by cp_colossal\*cp_ulysses=2\*2=4"),
+    (["--seq-len", "36", *HYBRID], r"--seq-len=36 is not divisible by 2\*cp_colossal\*cp_ulysses=8"),
+    (["--model", "gpt5"], r"--model='gpt5' is unknown; choose one of \['llama3-70b', 'llama3-8b', 'tiny'\]"),
+    (["--data", "/nonexistent/corpus"], r"--data /nonexistent/corpus: no such file or folder"),
+    (["--warmup", "400"], r"--warmup=400 must be smaller than --steps=300"),
+    (["--tp", "0"], r"--tp=0 must be a positive integer"),
+    (["--coordinator", "localhost:1"], r"multi-process runs need all of --coordinator"),
+])
+def test_bad_flags_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m models.train: error: "), err
+    assert __import__("re").search(message, err), err
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("argv,message", [
+    (["--cp-colossal", "2", "--cp-ulysses", "2", "--tp", "3"], r"cp_colossal\*cp_ulysses\*tp=12 does not divide the 8"),
+    (["--dp", "4", "--tp", "2", "--batch", "6"], r"--batch=6 is not divisible by dp=4"),
+    (["--kv-exchange", "carrier_pigeon"], r"kv_exchange='carrier_pigeon' must be one of"),
+])
+def test_flags_that_need_the_devices(argv, message, capsys):
+    """Checked after JAX starts (device count, head divisibility), still one line and exit code 2."""
+    with pytest.raises(SystemExit) as e:
+        train.main([*argv, "--no-progress", "--out", "/nonexistent/never-written"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m models.train: error: "), err
+    assert __import__("re").search(message, err), err
+
+
+def test_cli_degrees_not_matching_devices():
+    """The real command line: a wrong mesh for --devices exits 2 with one line, no traceback."""
+    res = subprocess.run(_cli("--devices", "4", *HYBRID), cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "python -m models.train: error: cp_colossal*cp_ulysses*tp=8 does not divide the 4 devices; "
+        "choose degrees whose product divides 4."
+    ], res.stderr
