@@ -20,7 +20,7 @@ from jax import lax
 
 from jax_cp._masks import Window, normalize_window, visible
 
-__all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "forward", "backward", "NEG"]
+__all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "forward", "backward", "varying", "vma", "NEG"]
 
 NEG = -1e30  # finite minus-infinity: masked scores, and the lse of rows that see no key
 _IMAX, _IMIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
@@ -73,7 +73,10 @@ def _pad(x, length: int, value=0):
 
 
 def _pad_meta(m: Meta, length: int) -> Meta:
+    """Pads to ``length`` with invalid tokens; negative segment ids (padding) are invalid too."""
     valid = jnp.ones(m.pos.shape, bool) if m.valid is None else m.valid
+    if m.seg is not None:
+        valid &= m.seg >= 0
     return Meta(_pad(m.pos, length), _pad(m.seg, length), _pad(valid, length, False))
 
 
@@ -131,7 +134,7 @@ def vma(x) -> frozenset:
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
-def _varying(refs, *xs):
+def varying(refs, *xs):
     """Marks fresh loop carries as varying over the manual mesh axes the inputs vary over.
 
     Inside ``jax.shard_map`` loop carries must keep one type; zeros start out
@@ -175,7 +178,7 @@ def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int,
             pv = jnp.einsum("bkgqc,bckd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
-        init = _varying((q_BTHd, k_BSKd, v_BSKd, qm, km), jnp.full((B, K, G, bq), NEG, jnp.float32),
+        init = varying((q_BTHd, k_BSKd, v_BSKd, qm, km), jnp.full((B, K, G, bq), NEG, jnp.float32),
                         jnp.zeros((B, K, G, bq), jnp.float32), jnp.zeros((B, K, G, bq, d), jnp.float32))
         m, l, acc = lax.fori_loop(0, count, body, init)
         o = acc / jnp.where(l > 0, l, 1.0)[..., None]
@@ -217,11 +220,11 @@ def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spe
             return dq_N.at[i].add(dq), dk, dv
 
         zeros = jnp.zeros((B, bk, K, d), jnp.float32)
-        dq_N, dk, dv = lax.fori_loop(0, count, body, (dq_N, *_varying(refs, zeros, zeros)))
+        dq_N, dk, dv = lax.fori_loop(0, count, body, (dq_N, *varying(refs, zeros, zeros)))
         return dq_N, (dk, dv)
 
     xs = (_split(k_BSKd, bk), _split(v_BSKd, bk), *_meta_blocks(km, bk), order_MN, count_M)
-    dq0, = _varying(refs, jnp.zeros((T // bq, B, bq, K, G, d), jnp.float32))
+    dq0, = varying(refs, jnp.zeros((T // bq, B, bq, K, G, d), jnp.float32))
     dq_N, (dk, dv) = lax.scan(kv_block, dq0, xs)
     return _merge(dq_N).reshape(B, T, H, d), _merge(dk), _merge(dv)
 

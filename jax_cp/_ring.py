@@ -1,11 +1,12 @@
 """Ring exchange over ``cp_colossal``: K/V rotate, queries stay, memory O(S/c) per device.
 
-Each of the ``c`` steps attends the local queries to the K/V chunk in hand
-(blockwise kernel, fully masked steps cost no block work) and merges it by
-log-sum-exp, while ``lax.ppermute`` already moves the next chunk (issued before
-the step's compute so the scheduler can overlap them). The ``custom_vjp``
-backward rotates K/V again, with their float32 dK/dV accumulators travelling
-alongside and arriving home after the last step.
+Each of the ``c`` steps (a loop, so only one remote chunk is live) attends the
+local queries to the K/V chunk in hand (blockwise kernel; fully masked steps
+cost no block work) and merges it by log-sum-exp, while ``lax.ppermute``
+already moves the next chunk (issued before the step's compute so the
+scheduler can overlap them). The ``custom_vjp`` backward rotates K/V again,
+with their float32 dK/dV accumulators travelling alongside and arriving home
+after the last step.
 Letters: B batch, T local sequence (S/c), H local query heads, K local kv heads, d head dim.
 """
 from __future__ import annotations
@@ -36,14 +37,20 @@ def merge(o_BTHd, lse_BTH, o2_BTHd, lse2_BTH):
 def _forward(q, k, v, pos, seg, axis_name, spec):
     c = lax.axis_size(axis_name)
     qm = bw.Meta(pos, seg)
-    kv = (k, v, pos, seg)
-    o = lse = None
-    for step in range(c):
-        nxt = _shift(kv, axis_name, c) if step < c - 1 else None  # in flight during this step
+
+    def attend(carry, kv):
         o_s, lse_s = bw.forward(q, kv[0], kv[1], qm, bw.Meta(kv[2], kv[3]), spec)
-        o, lse = (o_s, lse_s) if o is None else merge(o, lse, o_s, lse_s)
-        kv = nxt
-    return o, lse
+        return merge(*carry, o_s, lse_s)
+
+    def step(_, state):
+        carry, kv = state
+        nxt = _shift(kv, axis_name, c)  # issued first: in flight while this chunk is attended
+        return attend(carry, kv), nxt
+
+    B, T, H, d = q.shape
+    init = bw.varying((q, k, v, pos, seg), jnp.zeros((B, T, H, d), jnp.float32), jnp.full((B, T, H), bw.NEG, jnp.float32))
+    carry, kv = lax.fori_loop(0, c - 1, step, (init, (k, v, pos, seg)))  # one step at a time: O(S/c) live
+    return attend(carry, kv)  # the last chunk needs no onward shift
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -62,16 +69,30 @@ def _ring_bwd(axis_name, spec, res, do):
     c = lax.axis_size(axis_name)
     qm = bw.Meta(pos, seg)
     delta = jnp.einsum("bthd,bthd->bth", do.astype(jnp.float32), o.astype(jnp.float32))
+
+    def grads(kv):
+        return bw.backward(q, kv[0], kv[1], do, lse, delta, qm, bw.Meta(kv[2], kv[3]), spec)
+
+    # Step 0: the chunk at home. Later steps first start two transfers, the next
+    # K/V chunk and the float32 dK/dV accumulator of the chunk now in hand (the
+    # neighbour summed it one step earlier), then compute under both.
     kv = (k, v, pos, seg)
-    dq = dkv = None
-    for step in range(c):
-        nxt = _shift(kv, axis_name, c) if step < c - 1 else None
-        dq_s, dk_s, dv_s = bw.backward(q, kv[0], kv[1], do, lse, delta, qm, bw.Meta(kv[2], kv[3]), spec)
-        dq = dq_s if dq is None else dq + dq_s
-        dkv = (dk_s, dv_s) if dkv is None else (dkv[0] + dk_s, dkv[1] + dv_s)
-        dkv = _shift(dkv, axis_name, c)  # the accumulators follow their chunk; after step c-1 they are home
-        kv = nxt
-    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None
+    nxt = _shift(kv, axis_name, c) if c > 1 else None
+    dq, dk, dv = grads(kv)
+
+    def step(_, state):
+        dq, acc, kv = state
+        recv, nxt = _shift(acc, axis_name, c), _shift(kv, axis_name, c)
+        dq_s, dk_s, dv_s = grads(kv)
+        return dq + dq_s, (recv[0] + dk_s, recv[1] + dv_s), nxt
+
+    if c > 1:
+        dq, (dk, dv), kv = lax.fori_loop(0, c - 2, step, (dq, (dk, dv), nxt))
+        recv = _shift((dk, dv), axis_name, c)  # last step: no K/V left to fetch
+        dq_s, dk_s, dv_s = grads(kv)
+        dq, dk, dv = dq + dq_s, recv[0] + dk_s, recv[1] + dv_s
+        dk, dv = _shift((dk, dv), axis_name, c)  # complete accumulators go home
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -67,9 +67,8 @@ def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, *, T, S, is_causal, in
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     Tp, Sp = q_HTd.shape[1], k_KSd.shape[1]
-    kvalid = jnp.arange(Sp) < S
-    kinv = (~kvalid).astype(jnp.int32)
     kseg0 = jnp.zeros(Sp, jnp.int32) if kseg is None else kseg
+    kinv = ((jnp.arange(Sp) >= S) | (kseg0 < 0)).astype(jnp.int32)  # padding (negative segment) sorts last
     qseg0 = jnp.zeros(Tp, jnp.int32) if qseg is None else qseg
     perm = lax.sort((kinv, kseg0, kpos, jnp.arange(Sp, dtype=jnp.int32)), num_keys=3)[3]
     k_KSd, v_KSd, kseg_s = k_KSd[:, perm], v_KSd[:, perm], kseg0[perm]

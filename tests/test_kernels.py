@@ -23,7 +23,8 @@ def _inputs(B, T, S, H, K, d, dtype, *, order="arange", segments=None, seed=0):
     (a CP shard). ``"shuffled"``: each row's keys in a random order, queries a
     random subset of the key positions (load-balanced chunks look like this).
     ``segments``: document length (segment = position // length); ``"orphan"``
-    also gives some queries a segment no key has (rows that see nothing).
+    also gives some queries a segment no key has and marks some tokens as
+    padding (negative ids): rows that see nothing.
     """
     keys = jax.random.split(jax.random.key(seed), 3 + B)
     q = jax.random.normal(keys[0], (B, T, H, d), F32).astype(dtype)
@@ -39,8 +40,9 @@ def _inputs(B, T, S, H, K, d, dtype, *, order="arange", segments=None, seed=0):
     if segments is not None:
         length = 7 if segments == "orphan" else segments
         q_seg, kv_seg = q_pos // length, kv_pos // length
-        if segments == "orphan":
-            q_seg = jnp.where(jnp.arange(T) % 5 == 0, 1000, q_seg)
+        if segments == "orphan":  # plus padding: negative ids see nothing and are seen by nobody
+            q_seg = jnp.where(jnp.arange(T) % 5 == 0, 1000, jnp.where(jnp.arange(T) % 7 == 3, -1, q_seg))
+            kv_seg = jnp.where(jnp.arange(S) % 9 == 4, -2, kv_seg)
         meta.update(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     return (q, k, v), ct, meta
 

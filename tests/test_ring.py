@@ -92,18 +92,18 @@ def test_ring_steps_skip_masked_chunks_and_balance():
     assert balanced.sum() == natural.sum()
 
 
-def _pairs_enclosing_compute(hlo: str):
-    """For each async collective-permute in the entry computation: does compute run between start and done?"""
-    entry = hlo[hlo.index("\nENTRY"):]
-    entry = entry[:entry.index("\n}\n")]
-    ops = [m.groups() for m in re.finditer(r"\n\s*(?:ROOT )?%?([\w.-]+) = .*? ([\w-]+)\((.*)", entry)]
-    start_at = {name: i for i, (name, kind, _) in enumerate(ops) if kind == "collective-permute-start"}
+def _permutes_enclosing_compute(hlo: str) -> dict[str, bool]:
+    """Each async collective-permute of the scheduled HLO (any computation, loop bodies
+    included): is compute (a loop, fusion or convolution) scheduled between start and done?"""
     result = {}
-    for i, (name, kind, args) in enumerate(ops):
-        if kind == "collective-permute-done":
-            start = re.match(r"\s*%?([\w.-]+)", args).group(1)
-            between = {k for _, k, _ in ops[start_at[start] + 1:i]}
-            result[start] = bool(between & {"while", "fusion", "convolution"})
+    for comp in re.split(r"\n(?=\S[^\n]*\{\n)", hlo):
+        ops = [m.groups() for m in re.finditer(r"\n\s*(?:ROOT )?%?([\w.-]+) = .*? ([\w-]+)\((.*)", comp)]
+        start_at = {name: i for i, (name, kind, _) in enumerate(ops) if kind == "collective-permute-start"}
+        for i, (name, kind, args) in enumerate(ops):
+            if kind == "collective-permute-done":
+                start = re.match(r"\s*%?([\w.-]+)", args).group(1)
+                between = {k for _, k, _ in ops[start_at[start] + 1:i]}
+                result[start] = bool(between & {"while", "fusion", "convolution"})
     return result
 
 
@@ -121,7 +121,8 @@ def test_ring_permutes_overlap_compute_on_tpu():
     loss = lambda q, k, v: jax_cp.dot_product_attention(
         q, k, v, mesh=mesh, kv_exchange="ring", is_causal=True).astype(F32).sum()
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
-    pairs = _pairs_enclosing_compute(hlo)
-    assert pairs, "no async collective-permute in the scheduled HLO"
-    # K and V move c-1 times forward and c-1 times backward, each under a step's attention.
-    assert sum(pairs.values()) >= 4 * (c - 1), pairs
+    pairs = _permutes_enclosing_compute(hlo)
+    # Forward loop: K, V, positions; backward loop: those and the two dK/dV accumulators;
+    # plus the peeled first/last steps. Only the final return of dK/dV has nothing to hide under.
+    assert sum(pairs.values()) >= 3 + 5, pairs
+    assert sum(not x for x in pairs.values()) <= 2, pairs
