@@ -20,8 +20,10 @@ test: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 train: $(STAMP)
+	rm -rf runs/tiny
 	JAX_PLATFORMS=cpu $(PY) -m models.train --devices 8 --cp-colossal 2 --cp-ulysses 2 --tp 2 \
-		--model tiny --steps 300 --out runs/tiny
+		--model tiny --seq-len 256 --batch 8 --steps 300 --lr 3e-3 --warmup 30 \
+		--eval-every 50 --checkpoint-every 100 --out runs/tiny
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

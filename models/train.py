@@ -230,6 +230,10 @@ def setup(cfg: TrainConfig, devices=None) -> Setup:
     abstract_model(get_config(cfg.model), mesh, **_model_kwargs(cfg))  # head/kernel/exchange checks, no memory
     if jax.process_count() > 1:
         _check_same_flags(cfg)
+    saved = _saved_steps(cfg.ckpt_dir)
+    if saved and cfg.checkpoint_every and not cfg.resume:
+        raise ValueError(f"{cfg.ckpt_dir} already holds checkpoints (up to step {saved[-1]}); pass --resume to "
+                         "continue them, or another --out/--checkpoint-dir to start afresh.")
     corpus = data_lib.load_corpus(cfg.data)
     train_windows = data_lib.Windows(corpus.train, cfg.seq_len, cfg.seed)
     eval_windows = data_lib.Windows(corpus.eval, cfg.seq_len, seed=1_000_003)
@@ -286,6 +290,13 @@ def _manager(cfg: TrainConfig) -> ocp.CheckpointManager:
     # so a kill during a save leaves the previous step as the latest usable one.
     options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True, cleanup_tmp_directories=True)
     return ocp.CheckpointManager(cfg.ckpt_dir.absolute(), options=options, item_names=("state", "meta"))
+
+
+def _saved_steps(directory: Path) -> list[int]:
+    """Completed checkpoints (orbax renames a step's directory into place only once it is written)."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
 
 
 def _save(mngr, step: int, state, cfg: TrainConfig) -> None:
@@ -403,20 +414,27 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
                 eval_loss = evaluate(state)
                 _log(fh, {"event": "eval", "step": step, "eval_loss": eval_loss})
                 bar.write(f"step {step}: eval loss {eval_loss:.4f}") if main_process and cfg.progress else None
-            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+            # On a pod, SIGTERM (a preemption notice) reaches every process at the same step: save, stop.
+            preempted = cfg.checkpoint_every > 0 and jax.process_count() > 1 and mngr.reached_preemption(step)
+            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps or preempted):
                 _save(mngr, step, state, cfg)
                 _log(fh, {"event": "checkpoint", "step": step})
+            if preempted:
+                _log(fh, {"event": "preempted", "step": step})
+                break
             if cfg.debug_step_sleep:
                 time.sleep(cfg.debug_step_sleep)
     bar.close()
     if mngr is not None:
         mngr.wait_until_finished()
         mngr.close()
-    n_timed = cfg.steps - start - 1
+    last = max(losses)
+    n_timed = last - start - 1
     summary = {
         "model": cfg.model, "mesh": dataclasses.asdict(dims), "processes": jax.process_count(),
         "devices": jax.device_count(), "platform": jax.default_backend(), "start_step": start,
-        "steps": cfg.steps, "first_loss": losses[start + 1], "last_loss": losses[cfg.steps], "eval_loss": eval_loss,
+        "steps": last, "preempted": last < cfg.steps, "first_loss": losses[start + 1], "last_loss": losses[last],
+        "eval_loss": eval_loss,
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step * n_timed / timed_s if n_timed else None,
         "compile_s": compile_s, "wall_s": time.perf_counter() - t0, "losses": losses,
@@ -474,6 +492,8 @@ def main(argv=None) -> None:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         raise SystemExit(2) from None
     summary = train(cfg, prepared)
+    if summary.get("preempted"):
+        raise SystemExit(f"preempted after step {summary['steps']}; the checkpoint is saved, rerun with --resume.")
     if jax.process_index() == 0 and summary["losses"]:
         print(f"trained {cfg.model} steps {summary['start_step'] + 1}-{cfg.steps} on {summary['devices']} "
               f"{summary['platform']} devices: loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
