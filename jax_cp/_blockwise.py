@@ -151,7 +151,7 @@ def _meta_blocks(m: Meta, block: int):
     return _split(m.pos, block), _split(seg, block), _split(m.valid, block)
 
 
-def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int, bk: int):
+def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int, bk: int, state=None):
     B, T, H, d = q_BTHd.shape
     K = k_BSKd.shape[2]
     G = H // K
@@ -162,7 +162,7 @@ def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int,
     kpos, kseg, kval = _meta_blocks(km, bk)
 
     def q_block(xs):
-        q, qpos, qseg, qval, order, count = xs
+        q, qpos, qseg, qval, order, count, o0, lse0 = xs
 
         def body(n, carry):
             m, l, acc = carry
@@ -178,19 +178,27 @@ def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int,
             pv = jnp.einsum("bkgqc,bckd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
-        init = varying((q_BTHd, k_BSKd, v_BSKd, qm, km), jnp.full((B, K, G, bq), NEG, jnp.float32),
-                        jnp.zeros((B, K, G, bq), jnp.float32), jnp.zeros((B, K, G, bq, d), jnp.float32))
+        if o0 is None:
+            init = varying((q_BTHd, k_BSKd, v_BSKd, qm, km), jnp.full((B, K, G, bq), NEG, jnp.float32),
+                            jnp.zeros((B, K, G, bq), jnp.float32), jnp.zeros((B, K, G, bq, d), jnp.float32))
+        else:  # continue from a normalised (o, lse): the softmax state (m=lse, l=1, acc=o)
+            init = (jnp.moveaxis(lse0, 1, 3), *varying(refs, jnp.ones((B, K, G, bq), jnp.float32)),
+                    jnp.moveaxis(o0, 1, 3))
         m, l, acc = lax.fori_loop(0, count, body, init)
         o = acc / jnp.where(l > 0, l, 1.0)[..., None]
         lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), NEG)
         return jnp.moveaxis(o, 3, 1), jnp.moveaxis(lse, 3, 1)  # [B, Q, K, G, d], [B, Q, K, G]
 
     qpos, qseg, qval = _meta_blocks(qm, bq)
-    o, lse = lax.map(q_block, (q_NBQKGd, qpos, qseg, qval, order_NM, count_N))
+    refs = (q_BTHd, k_BSKd, v_BSKd, qm, km, state)
+    o0, lse0 = (None, None) if state is None else (_split(state[0].reshape(B, T, K, G, d), bq),
+                                                 _split(state[1].reshape(B, T, K, G), bq))
+    o, lse = lax.map(q_block, (q_NBQKGd, qpos, qseg, qval, order_NM, count_N, o0, lse0))
     return _merge(o).reshape(B, T, H, d), _merge(lse).reshape(B, T, H)
 
 
-def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spec: Spec, bq: int, bk: int):
+def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spec: Spec, bq: int, bk: int,
+                dq_BTHd=None):
     B, T, H, d = q_BTHd.shape
     S, K = k_BSKd.shape[1:3]
     G = H // K
@@ -224,33 +232,43 @@ def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spe
         return dq_N, (dk, dv)
 
     xs = (_split(k_BSKd, bk), _split(v_BSKd, bk), *_meta_blocks(km, bk), order_MN, count_M)
-    dq0, = varying(refs, jnp.zeros((T // bq, B, bq, K, G, d), jnp.float32))
+    if dq_BTHd is None:
+        dq0, = varying(refs, jnp.zeros((T // bq, B, bq, K, G, d), jnp.float32))
+    else:
+        dq0 = _split(dq_BTHd.reshape(B, T, K, G, d), bq)
     dq_N, (dk, dv) = lax.scan(kv_block, dq0, xs)
     return _merge(dq_N).reshape(B, T, H, d), _merge(dk), _merge(dv)
 
 
-def forward(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec):
-    """``(o_BTHd float32, lse_BTH float32)``; rows that see no key: ``o = 0``, ``lse = NEG``."""
+def forward(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, state=None):
+    """``(o_BTHd float32, lse_BTH float32)``; rows that see no key: ``o = 0``, ``lse = NEG``.
+
+    ``state=(o, lse)`` of earlier keys continues that softmax (the ring's merge,
+    without a second output buffer).
+    """
     T, S = q_BTHd.shape[1], k_BSKd.shape[1]
     bq, Tp = _blocks(T, spec.block_q)
     bk, Sp = _blocks(S, spec.block_kv)
+    if state is not None:
+        state = (_pad(state[0], Tp), _pad(state[1], Tp, NEG))
     o, lse = _fwd_padded(_pad(q_BTHd, Tp), _pad(k_BSKd, Sp), _pad(v_BSKd, Sp),
-                         _pad_meta(qm, Tp), _pad_meta(km, Sp), spec, bq, bk)
+                         _pad_meta(qm, Tp), _pad_meta(km, Sp), spec, bq, bk, state)
     return o[:, :T], lse[:, :T]
 
 
-def backward(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm: Meta, km: Meta, spec: Spec):
+def backward(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm: Meta, km: Meta, spec: Spec, dq=None):
     """``(dq, dk, dv)`` in float32 given the final ``lse`` and ``delta = sum(do * o, -1)``.
 
     Linear in the keys: calling it per key chunk with the global ``lse`` and
-    ``delta`` and summing gives the full gradient (what the ring does).
+    ``delta`` and summing gives the full gradient (what the ring does; ``dq``
+    is added to, in place).
     """
     T, S = q_BTHd.shape[1], k_BSKd.shape[1]
     bq, Tp = _blocks(T, spec.block_q)
     bk, Sp = _blocks(S, spec.block_kv)
     dq, dk, dv = _bwd_padded(_pad(q_BTHd, Tp), _pad(k_BSKd, Sp), _pad(v_BSKd, Sp), _pad(do_BTHd, Tp),
                              _pad(lse_BTH, Tp), _pad(delta_BTH, Tp), _pad_meta(qm, Tp), _pad_meta(km, Sp),
-                             spec, bq, bk)
+                             spec, bq, bk, None if dq is None else _pad(dq, Tp))
     return dq[:, :T], dk[:, :S], dv[:, :S]
 
 

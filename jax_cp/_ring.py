@@ -2,7 +2,7 @@
 
 Each of the ``c`` steps (a loop, so only one remote chunk is live) attends the
 local queries to the K/V chunk in hand (blockwise kernel; fully masked steps
-cost no block work) and merges it by log-sum-exp, while ``lax.ppermute``
+cost no block work), continuing the running online softmax, while ``lax.ppermute``
 already moves the next chunk (issued before the step's compute so the
 scheduler can overlap them). The ``custom_vjp`` backward rotates K/V again,
 with their float32 dK/dV accumulators travelling alongside and arriving home
@@ -19,7 +19,7 @@ from jax import lax
 
 from jax_cp import _blockwise as bw
 
-__all__ = ["ring_attention", "merge"]
+__all__ = ["ring_attention"]
 
 
 def _shift(tree, axis_name: str, c: int):
@@ -27,29 +27,24 @@ def _shift(tree, axis_name: str, c: int):
     return lax.ppermute(tree, axis_name, [(i, (i + 1) % c) for i in range(c)])
 
 
-def merge(o_BTHd, lse_BTH, o2_BTHd, lse2_BTH):
-    """Combines two normalised partial attentions by their log-sum-exps (float32)."""
-    lse = jnp.logaddexp(lse_BTH, lse2_BTH)
-    w1, w2 = jnp.exp(lse_BTH - lse)[..., None], jnp.exp(lse2_BTH - lse)[..., None]
-    return w1 * o_BTHd + w2 * o2_BTHd, lse
-
-
 def _forward(q, k, v, pos, seg, axis_name, spec):
     c = lax.axis_size(axis_name)
     qm = bw.Meta(pos, seg)
 
-    def attend(carry, kv):
-        o_s, lse_s = bw.forward(q, kv[0], kv[1], qm, bw.Meta(kv[2], kv[3]), spec)
-        return merge(*carry, o_s, lse_s)
+    def attend(carry, kv):  # continues the running softmax: no second output buffer
+        return bw.forward(q, kv[0], kv[1], qm, bw.Meta(kv[2], kv[3]), spec, state=carry)
 
     def step(_, state):
         carry, kv = state
         nxt = _shift(kv, axis_name, c)  # issued first: in flight while this chunk is attended
         return attend(carry, kv), nxt
 
-    B, T, H, d = q.shape
-    init = bw.varying((q, k, v, pos, seg), jnp.zeros((B, T, H, d), jnp.float32), jnp.full((B, T, H), bw.NEG, jnp.float32))
-    carry, kv = lax.fori_loop(0, c - 1, step, (init, (k, v, pos, seg)))  # one step at a time: O(S/c) live
+    kv = (k, v, pos, seg)
+    if c == 1:
+        return attend(None, kv)
+    nxt = _shift(kv, axis_name, c)
+    carry = attend(None, kv)  # step 0: the chunk at home
+    carry, kv = lax.fori_loop(0, c - 2, step, (carry, nxt))  # one step at a time: O(S/c) live
     return attend(carry, kv)  # the last chunk needs no onward shift
 
 
@@ -70,8 +65,8 @@ def _ring_bwd(axis_name, spec, res, do):
     qm = bw.Meta(pos, seg)
     delta = jnp.einsum("bthd,bthd->bth", do.astype(jnp.float32), o.astype(jnp.float32))
 
-    def grads(kv):
-        return bw.backward(q, kv[0], kv[1], do, lse, delta, qm, bw.Meta(kv[2], kv[3]), spec)
+    def grads(kv, dq=None):  # dq accumulates in place
+        return bw.backward(q, kv[0], kv[1], do, lse, delta, qm, bw.Meta(kv[2], kv[3]), spec, dq=dq)
 
     # Step 0: the chunk at home. Later steps first start two transfers, the next
     # K/V chunk and the float32 dK/dV accumulator of the chunk now in hand (the
@@ -83,14 +78,14 @@ def _ring_bwd(axis_name, spec, res, do):
     def step(_, state):
         dq, acc, kv = state
         recv, nxt = _shift(acc, axis_name, c), _shift(kv, axis_name, c)
-        dq_s, dk_s, dv_s = grads(kv)
-        return dq + dq_s, (recv[0] + dk_s, recv[1] + dv_s), nxt
+        dq, dk_s, dv_s = grads(kv, dq)
+        return dq, (recv[0] + dk_s, recv[1] + dv_s), nxt
 
     if c > 1:
         dq, (dk, dv), kv = lax.fori_loop(0, c - 2, step, (dq, (dk, dv), nxt))
         recv = _shift((dk, dv), axis_name, c)  # last step: no K/V left to fetch
-        dq_s, dk_s, dv_s = grads(kv)
-        dq, dk, dv = dq + dq_s, recv[0] + dk_s, recv[1] + dv_s
+        dq, dk_s, dv_s = grads(kv, dq)
+        dk, dv = recv[0] + dk_s, recv[1] + dv_s
         dk, dv = _shift((dk, dv), axis_name, c)  # complete accumulators go home
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 

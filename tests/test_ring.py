@@ -14,7 +14,7 @@ from flax import nnx
 import jax_cp
 from jax_cp import reference
 from jax_cp._blockwise import Meta, block_visible, make_spec
-from util import assert_matches, fwd_and_vjp, random_qkv, assert_close
+from util import assert_close, assert_matches, random_qkv
 
 B, S, H, d = 2, 64, 8, 8
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -25,6 +25,7 @@ CASES = [  # (c, u, t), K, mask, dtype, load-balanced positions
     ((4, 2, 1), 1, dict(local_window_size=(5, 3), segments=True), F32, False),
     ((2, 2, 2), 4, dict(is_causal=True, local_window_size=(7, 0), segments=True), BF16, True),
     ((2, 2, 1), 2, dict(is_causal=True, segments=True), F32, True),  # dp = 2
+    ((1, 4, 2), 2, dict(is_causal=True), F32, False),  # c = 1: the ring is the local kernel
 ]
 
 
