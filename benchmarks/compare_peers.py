@@ -461,10 +461,12 @@ def _timed_call(compiled, args):
 
 
 def run_row(impls: list[Impl], case: Case, inp: Inputs, ref, reps: int, warmup: int, log=print,
-            pruned: dict | None = None) -> list[Result]:
+            pruned: dict | None = None, drop_after_first: float | None = None) -> list[Result]:
     """One row: every implementation on ``case``, repetitions interleaved round-robin.
 
-    ``pruned`` maps implementation names to the reason they are not run for this case."""
+    ``pruned`` maps implementation names to the reason they are not run for this case; with
+    ``drop_after_first``, implementations slower than that factor times the fastest correct one in
+    the first repetition are not repeated."""
     results, live = [], []
     for impl in impls:
         res = Result(impl.name, impl.group, case)
@@ -506,8 +508,16 @@ def run_row(impls: list[Impl], case: Case, inp: Inputs, ref, reps: int, warmup: 
                 call(entry, timed=False)
     for r in range(reps):
         shift = r % max(len(live), 1)
+        if r == 1 and drop_after_first:
+            # Clear losers of the first repetition are not repeated: their one time stands.
+            firsts = [e[0].times[0] for e in live if e[0].status == "ok" and e[0].times]
+            for e in live:
+                if firsts and e[0].status == "ok" and e[0].times and e[0].times[0] > drop_after_first * min(firsts):
+                    e[0].message = "1 repetition (> {:g}x the fastest in the first)".format(drop_after_first)
         for entry in live[shift:] + live[:shift]:
             res = entry[0]
+            if res.message.startswith("1 repetition"):
+                continue
             if res.status == "ok" or (res.status == "WRONG" and not res.times):
                 call(entry, timed=True)  # a wrong result is timed once (shown, never ranked), then dropped
     live.clear()
@@ -536,7 +546,8 @@ def _fmt_cell(r: Result) -> str:
     if r.status == "WRONG":
         return f"WRONG ({r.error:.2g})"
     ratio = f" ({r.ratio:.2f})" if r.ratio is not None else ""
-    return f"{r.median:.2f}{ratio}"
+    once = "¹" if r.message.startswith("1 repetition") else ""
+    return f"{r.median:.2f}{once}{ratio}"
 
 
 def print_row(results: list[Result], log=print):
@@ -589,13 +600,20 @@ def markdown(rows: list[list[Result]], header: dict) -> str:
         for r in results:
             if r.impl not in names:
                 names.append(r.impl)
-    lines += ["", "All results: median seconds (ratio to the fastest correct peer); WRONG (max relative error).", "",
-              "| case | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-    for results in rows:
-        by = {r.impl: r for r in results}
-        lines.append(f"| {results[0].case.label} | " + " | ".join(_fmt_cell(by[n]) if n in by else "-" for n in names)
-                     + " |")
+    lines += ["", "All results: median seconds (ratio to the fastest correct peer); WRONG (max relative error); "
+              "¹ one repetition only (more than --drop-after-first times the fastest in the first).", "",
+              "| implementation | " + " | ".join(_short_label(r[0].case) for r in rows) + " |",
+              "|---|" + "---:|" * len(rows)]
+    cells = [{r.impl: _fmt_cell(r) for r in results} for results in rows]
+    for n in names:
+        lines.append(f"| {n} | " + " | ".join(c.get(n, "-") for c in cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _short_label(case: Case) -> str:
+    seq = f"{case.seq // 1024}K" if case.seq % 1024 == 0 else str(case.seq)
+    dtype = {"float32": "f32", "bfloat16": "bf16"}[case.dtype]
+    return f"{seq} {dtype} {'causal' if case.causal else 'full'} {case.mode}"
 
 
 def load_average() -> str:
@@ -627,6 +645,9 @@ def parse_args(argv=None):
     p.add_argument("--prune", type=float, default=None,
                    help="at each S after the first, leave out implementations that were WRONG/FAILED or slower "
                         "than PRUNE x the fastest correct peer on the same case at the previous S (default: off)")
+    p.add_argument("--drop-after-first", type=float, default=None,
+                   help="do not repeat implementations slower than this factor x the fastest correct one "
+                        "in the first repetition of a case (their single time is reported; default: off)")
     p.add_argument("--quick", action="store_true", help="one repetition, fwd only unless --mode is given")
     p.add_argument("--only", nargs="+", default=None,
                    help="substrings of implementation names to keep (e.g. jax_cp ringattention)")
@@ -703,7 +724,8 @@ def main(argv=None, extra_impls: list[Impl] = (), log=print) -> list[list[Result
                         inp = make_inputs(case, args.ref_rows)
                         ref = reference(inp, causal)
                         log(f"# reference S={seq} causal={causal}: {time.perf_counter() - t0:.1f}s")
-                    results = run_row(impls, case, inp, ref, reps, args.warmup, log=log, pruned=pruned)
+                    results = run_row(impls, case, inp, ref, reps, args.warmup, log=log, pruned=pruned,
+                                      drop_after_first=args.drop_after_first)
                     print_row(results, log=log)
                     rows.append(results)
                     previous[(dtype, causal, mode)] = results
