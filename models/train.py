@@ -38,6 +38,10 @@ __all__ = ["TrainConfig", "main", "parse_args", "run"]
 PROG = "python -m models.train"
 
 
+class UsageError(ValueError):
+    """A problem with the flags found once training has started (e.g. a checkpoint made with others)."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage block
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -100,8 +104,6 @@ class TrainConfig:
             raise ValueError(f"--lr={self.lr} must be > 0.")
         if self.model not in CONFIGS:
             raise ValueError(f"--model={self.model!r} is unknown; choose one of {sorted(CONFIGS)}.")
-        if self.model != "tiny":
-            raise ValueError(f"--model={self.model!r} is a shape for planning only; train --model tiny here.")
         cp = self.cp_colossal * self.cp_ulysses
         if self.seq_len % cp:
             raise ValueError(f"--seq-len={self.seq_len} is not divisible by cp_colossal*cp_ulysses="
@@ -203,8 +205,6 @@ def init_jax(cfg: TrainConfig) -> None:
                          f"{jax.default_backend()!r}; drop --devices there.")
 
 
-
-
 # ----------------------------------------------------------------------------- setup
 
 
@@ -225,6 +225,9 @@ def setup(cfg: TrainConfig, devices=None) -> Setup:
     mesh = jax_cp.make_mesh(cp_colossal=cfg.cp_colossal, cp_ulysses=cfg.cp_ulysses, tp=cfg.tp, dp=cfg.dp,
                             devices=devices, axis_types=AxisType.Auto)
     dims = jax_cp.mesh_dims(mesh)
+    if cfg.model != "tiny" and jax.default_backend() == "cpu":
+        raise ValueError(f"--model={cfg.model!r} does not fit a CPU; train --model tiny here (the large configs "
+                         "are for accelerators and for planning: models.llama.abstract_model).")
     if cfg.batch % dims.dp:
         raise ValueError(f"--batch={cfg.batch} is not divisible by dp={dims.dp}; use a multiple of {dims.dp}.")
     abstract_model(get_config(cfg.model), mesh, **_model_kwargs(cfg))  # head/kernel/exchange checks, no memory
@@ -317,7 +320,7 @@ def _restore(mngr, state, cfg: TrainConfig) -> int:
     meta = dict(got["meta"])
     for key in ("model", "seq_len", "batch", "seed", "data"):
         if meta.get(key) != getattr(cfg, key):
-            raise ValueError(f"--resume: the checkpoint in {cfg.ckpt_dir} was made with {key}={meta.get(key)!r}, "
+            raise UsageError(f"--resume: the checkpoint in {cfg.ckpt_dir} was made with {key}={meta.get(key)!r}, "
                              f"this run has {key}={getattr(cfg, key)!r}; use the same value or another "
                              "--checkpoint-dir.")
     nnx.replace_by_pure_dict(state, got["state"])
@@ -367,6 +370,9 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
     if cfg.resume:
         with jax.set_mesh(s.mesh):
             start = _restore(mngr, state, cfg)
+        if main_process:
+            print(f"resuming from step {start} of {cfg.ckpt_dir}" if start else
+                  f"--resume: no checkpoint in {cfg.ckpt_dir} yet; starting at step 0", file=sys.stderr)
     if start >= cfg.steps:
         mngr.close()
         if main_process:
@@ -404,11 +410,11 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
             else:
                 timed_s += now - t_step
             losses[step] = loss
-            tps = tokens_per_step * (step - start - 1) / timed_s if timed_s else float("nan")
+            tps = tokens_per_step * (step - start - 1) / timed_s if timed_s else None
             record = {"event": "train", "step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
                       "lr": float(schedule(step - 1)), "step_s": now - t_step, "tokens_per_s": tps}
             _log(fh, record)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:.0f}", refresh=False)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps or 0:.0f}", refresh=False)
             bar.update(1)
             if cfg.eval_batches and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
                 eval_loss = evaluate(state)
@@ -491,7 +497,11 @@ def main(argv=None) -> None:
     except ValueError as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         raise SystemExit(2) from None
-    summary = train(cfg, prepared)
+    try:
+        summary = train(cfg, prepared)
+    except UsageError as e:
+        sys.stderr.write(f"{PROG}: error: {e}\n")
+        raise SystemExit(2) from None
     if summary.get("preempted"):
         raise SystemExit(f"preempted after step {summary['steps']}; the checkpoint is saved, rerun with --resume.")
     if jax.process_index() == 0 and summary["losses"]:

@@ -9,6 +9,7 @@ float32``) with the float32 tolerance; a resumed run is compared bit for bit.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -48,8 +49,10 @@ def corpus(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cache_env(tmp_path_factory) -> dict:
+    base = tmp_path_factory.getbasetemp()
+    cache = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # one cache for all xdist workers
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+               JAX_COMPILATION_CACHE_DIR=str(cache / "jax_cache_train"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     env.pop("XLA_FLAGS", None)  # conftest's 8-device flag; each subprocess sets its own count
     return env
@@ -243,6 +246,9 @@ def test_kill_and_resume_matches_uninterrupted(corpus, cache_env, tmp_path):
         np.testing.assert_array_equal(x, y, err_msg=str(path))
 
 
+TWO = [*SMALL, *HYBRID, "--steps", "4", "--dtype", "float32"]
+
+
 def _two_processes(args, out, env, extra=()):
     port = _free_port()
     common = [*args, "--devices", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
@@ -255,7 +261,7 @@ def _two_processes(args, out, env, extra=()):
 @needs_devices(8)
 def test_two_processes_equal_one(corpus, cache_env, tmp_path):
     """2 processes x 4 CPU devices (gloo over loopback) train exactly like 1 process x 8 devices."""
-    args = [*SMALL, *HYBRID, "--steps", "4", "--dtype", "float32", "--checkpoint-every", "2", "--data", corpus]
+    args = [*TWO, "--checkpoint-every", "2", "--data", corpus]
     procs = _two_processes(args, tmp_path / "two", cache_env)
     one = train.run(train.parse_args([*map(str, args), "--out", str(tmp_path / "one"), "--checkpoint-every", "0",
                                       "--eval-batches", "0"]))
@@ -272,11 +278,11 @@ def test_two_processes_equal_one(corpus, cache_env, tmp_path):
 @pytest.mark.slow
 def test_a_dead_process_fails_the_other(corpus, cache_env, tmp_path):
     """SIGKILL one of two processes mid-run: the other exits non-zero in bounded time, it does not hang."""
-    args = [*SMALL, *HYBRID, "--steps", "100", "--checkpoint-every", "0", "--eval-batches", "0", "--data", corpus]
-    procs = _two_processes(args, tmp_path / "run", cache_env, extra=["--debug-step-sleep", "0.5"])
+    args = [*TWO, "--checkpoint-every", "0", "--eval-batches", "0", "--data", corpus]  # the step compiled above
+    procs = _two_processes(args, tmp_path / "run", cache_env, extra=["--debug-step-sleep", "2"])
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 240
-    while not (metrics.exists() and metrics.read_text().count('"train"') >= 2):
+    while not (metrics.exists() and '"train"' in metrics.read_text()):
         assert all(p.poll() is None for p in procs), procs[0].communicate()[0][-2000:]
         assert time.monotonic() < deadline, "training did not start"
         time.sleep(0.1)
@@ -286,7 +292,7 @@ def test_a_dead_process_fails_the_other(corpus, cache_env, tmp_path):
     procs[1].communicate()
     assert procs[0].returncode != 0
     assert time.monotonic() - t0 < 90
-    assert "heartbeat" in out or "unhealthy" in out or "Gloo" in out, out[-2000:]
+    assert re.search(r"another task died|unhealthy|heartbeat|[Cc]onnection (closed|reset)", out), out[-3000:]
 
 
 # ----------------------------------------------------------------------------- flags
@@ -307,7 +313,7 @@ def test_bad_flags_one_line(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("python -m models.train: error: "), err
-    assert __import__("re").search(message, err), err
+    assert re.search(message, err), err
 
 
 @needs_devices(8)
@@ -315,6 +321,7 @@ def test_bad_flags_one_line(argv, message, capsys):
     (["--cp-colossal", "2", "--cp-ulysses", "2", "--tp", "3"], r"cp_colossal\*cp_ulysses\*tp=12 does not divide the 8"),
     (["--dp", "4", "--tp", "2", "--batch", "6"], r"--batch=6 is not divisible by dp=4"),
     (["--kv-exchange", "carrier_pigeon"], r"kv_exchange='carrier_pigeon' must be one of"),
+    (["--model", "llama3-70b"], r"--model='llama3-70b' does not fit a CPU; train --model tiny here"),
 ])
 def test_flags_that_need_the_devices(argv, message, capsys):
     """Checked after JAX starts (device count, head divisibility), still one line and exit code 2."""
@@ -323,7 +330,7 @@ def test_flags_that_need_the_devices(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("python -m models.train: error: "), err
-    assert __import__("re").search(message, err), err
+    assert re.search(message, err), err
 
 
 def test_cli_degrees_not_matching_devices():
