@@ -24,7 +24,7 @@ from jax_cp._blockwise import vma as _vma
 __all__ = ["splash_attention", "splash_unsupported_reason", "LANES"]
 
 LANES = 128  # splash block sizes are multiples of this
-_IMAX, _IMIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
+_IMAX = jnp.iinfo(jnp.int32).max
 
 
 def splash_unsupported_reason(*, window) -> str | None:
