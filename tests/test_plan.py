@@ -7,8 +7,13 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+import jax_cp
 from jax_cp import plan
 from jax_cp.plan import _hlo
 
@@ -209,6 +214,23 @@ def test_report_memory_collectives_overlap(name):
 def test_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         plan.analyze(**{**SMALL, "cp_ulysses": 8, **kwargs})
+
+
+def test_analyze_program_finds_collectives_in_loop_bodies():
+    """Any program: a ring-style permute inside a loop is found, marked in_loop, its bytes per iteration."""
+    mesh = jax_cp.make_mesh(cp_colossal=8, devices=plan.get_topology(TOPO).devices)
+    perm = [(j, (j + 1) % 8) for j in range(8)]
+
+    def shard(x_SD):
+        return lax.fori_loop(0, 5, lambda i, a: jnp.tanh(a @ a.T) @ a + lax.ppermute(a, "cp_colossal", perm), x_SD)
+
+    f = jax.shard_map(shard, mesh=mesh, in_specs=P("cp_colossal"), out_specs=P("cp_colossal"), check_vma=False)
+    x = jax.ShapeDtypeStruct((8 * 256, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("cp_colossal")))
+    a = plan.analyze_program(f, (x,), topology=TOPO, mesh=mesh, label="loop")
+    (c,) = a.schedule.collectives
+    assert (c.kind, c.axes, c.in_loop, c.is_async, c.bytes) == ("collective-permute", ("cp_colossal",), True, True,
+                                                                256 * 256 * 2)
+    assert a.memory.total > 0 and a.flops > 0
 
 
 def test_auto_strategy_chooses_and_explains():

@@ -199,6 +199,7 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
 
     Each shortlisted layout is compiled with ``overlap_chunks`` 1 and 2 (where
     the heads allow), since only the compiled schedule shows what chunking buys.
+    When none fits the budget, up to ``2 * candidates`` more layouts are tried.
     """
     if not isinstance(candidates, int) or candidates < 1:
         raise ValueError(f"candidates={candidates!r} must be a positive integer.")
@@ -218,10 +219,10 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
     reasons.append("closed-form ranking (FLOPs/peak + wire bytes/ICI, no overlap): " + ", ".join(
         f"({c},{u},{t}) {ex}" for c, u, t, ex in layouts[:candidates + 2]) + " ...")
     tried = []
-    for c, u, t, ex in layouts:
+    for c, u, t, ex in layouts:  # the best `candidates` layouts; further ones only while none fits
         if len(tried) >= 2 * candidates and any(r.analysis.memory.fits for r, _ in tried):
             break
-        if len(tried) >= 8:
+        if len(tried) >= 4 * candidates:
             break
         for chunks in (1, 2):
             s = dataclasses.replace(shape, kv_exchange=ex, overlap_chunks=chunks)

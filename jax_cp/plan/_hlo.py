@@ -183,6 +183,7 @@ class Collective:
     compute_inside: tuple[str, ...]  # compute ops scheduled between start and done
     op_name: str = ""
     feeds_compute: bool = True  # some matmul/kernel consumes its result (directly or not)
+    in_loop: bool = False  # scheduled in a loop body: bytes are per iteration (trip counts are not in the HLO)
 
     def __post_init__(self):
         if self.kind not in COLLECTIVE_KINDS:
@@ -361,7 +362,8 @@ def analyze_schedule(
     mod = _Module(text)
     out: list[Collective] = []
     for comp in mod.scheduled():
-        out += _collectives_of(mod, comp, mesh_shape, axis_names)
+        found = _collectives_of(mod, comp, mesh_shape, axis_names)
+        out += found if comp == mod.entry else [dataclasses.replace(c, in_loop=True) for c in found]
     return Schedule(collectives=tuple(out), cp_axes=tuple(cp_axes))
 
 
