@@ -10,11 +10,9 @@ Letters: B batch, S sequence, D model width, F MLP width, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -263,7 +261,3 @@ def abstract_model(cfg: LlamaConfig | str, mesh=None, **kw) -> Llama:
     cfg = get_config(cfg) if isinstance(cfg, str) else cfg
     mesh = jax_cp.make_mesh(devices=jax.devices()[:1], axis_types=AxisType.Auto) if mesh is None else mesh
     return nnx.eval_shape(lambda: Llama(cfg, mesh=mesh, rngs=nnx.Rngs(0), **kw))
-
-
-def parameter_bytes(model: Llama) -> int:
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
