@@ -507,7 +507,8 @@ def main(argv=None) -> None:
     if jax.process_index() == 0 and summary["losses"]:
         print(f"trained {cfg.model} steps {summary['start_step'] + 1}-{cfg.steps} on {summary['devices']} "
               f"{summary['platform']} devices: loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
-              f"eval {summary['eval_loss'] or float('nan'):.3f}, {summary['tokens_per_s'] or float('nan'):.0f} tokens/s, "
+              + (f"eval {summary['eval_loss']:.3f}, " if summary["eval_loss"] is not None else "")
+              + f"{summary['tokens_per_s'] or float('nan'):.0f} tokens/s, "
               f"{summary['wall_s']:.0f} s (compile {summary['compile_s']:.0f} s); logs in {cfg.out}")
 
 
