@@ -466,13 +466,12 @@ def read_metrics(path) -> tuple[dict[int, float], dict[int, float]]:
 
 
 def plot_losses(metrics_path, png_path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure (no pyplot): renders off-screen without changing the process's backend.
+    from matplotlib.figure import Figure
 
     train, evals = read_metrics(metrics_path)
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    fig = Figure(figsize=(6, 3.5), dpi=120)
+    ax = fig.subplots()
     ax.plot(list(train), list(train.values()), lw=1, label="train")
     if evals:
         ax.plot(list(evals), list(evals.values()), "o-", ms=3, label="held-out")
@@ -481,7 +480,6 @@ def plot_losses(metrics_path, png_path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(png_path)
-    plt.close(fig)
 
 
 def run(cfg: TrainConfig, devices=None) -> dict:
