@@ -11,7 +11,8 @@ attention layer (D=4096, 32 heads, 8 kv heads, head dim 128, bf16, causal) three
   split into chunks with *attention per chunk* (chunk i's exchanges run under
   chunk i+-1's attention and projections), RoPE applied before the all-to-all
   (inside the projection block), and the dK/dV reduction done as an
-  all-to-all + local float32 sum (TPU runs reduce-scatter synchronously).
+  all-to-all + local float32 sum (TPU runs reduce-scatter synchronously);
+  variants without RoPE, and with the K/V all-gather itself done as an all-to-all.
 
 and prints a markdown table: overlap fraction forward / backward (share of CP
 collective bytes with a matmul scheduled between start and done), per-device
@@ -49,7 +50,8 @@ from jax_cp._projection import heads_to_model, project_to_heads  # noqa: E402
 # topology -> (batch, seq_len, layouts (name, cp_colossal, cp_ulysses, tp))
 CASES = {
     "v5e:4x4": (2, 8192, [("Ulysses", 1, 4, 2), ("all-gather", 4, 1, 4), ("hybrid", 2, 2, 4)]),
-    "v5p:4x4x4": (4, 32768, [("Ulysses", 1, 4, 4), ("all-gather", 4, 1, 4), ("hybrid", 2, 2, 4)]),
+    # (2,2,4) with dp=4 does not map onto the 4x4x4 torus (jax.make_mesh); the hybrid uses all 64 chips.
+    "v5p:4x4x4": (4, 32768, [("Ulysses", 1, 4, 4), ("all-gather", 4, 1, 4), ("hybrid", 4, 4, 4)]),
 }
 XS, META = P("dp", ("cp_colossal", "cp_ulysses"), None), P("dp", ("cp_colossal", "cp_ulysses"))
 
@@ -110,8 +112,26 @@ def _prth_bwd(theta, axis_name, dtype, res, g_BSHd):
 project_rope_to_heads.defvjp(_prth_fwd, _prth_bwd)
 
 
-def pipelined_layer(shape: plan.LayerShape, mesh):
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather_kv_a2a(x_BSKd, axis_name):
+    """The same all-gather done as an all-to-all of c copies (the same bytes on the wire).
+
+    An all-gather is asynchronous on TPU only as v5e collective fusion (continued
+    inside matmul fusions, so never under attention, and not at all on v5p);
+    all-to-all is asynchronous everywhere (with the flag), under any compute.
+    """
+    c = lax.axis_size(axis_name)
+    copies = jnp.broadcast_to(x_BSKd[:, None], (x_BSKd.shape[0], c, *x_BSKd.shape[1:]))
+    out = lax.all_to_all(copies, axis_name, 1, 1, tiled=True)  # [B, c (source), S/c, K, d]
+    return out.reshape(x_BSKd.shape[0], -1, *x_BSKd.shape[2:])
+
+
+gather_kv_a2a.defvjp(lambda x, axis_name: (gather_kv_a2a(x, axis_name), jnp.zeros((0,), x.dtype)), _gather_kv_bwd)
+
+
+def pipelined_layer(shape: plan.LayerShape, mesh, *, gather=None):
     """Prototype layer: per-chunk projections, exchanges, attention and output projection."""
+    gather = gather_kv if gather is None else gather
     dims = jax_cp.mesh_dims(mesh)
     n, H, d, D = shape.overlap_chunks, shape.num_heads, shape.head_dim, shape.d_model
     kv = lcm(shape.num_kv_heads, dims.t * dims.u * n)
@@ -127,7 +147,7 @@ def pipelined_layer(shape: plan.LayerShape, mesh):
             q, k = (project_rope_to_heads(x, w, pos, shape.rope_theta, "cp_ulysses", dt) for w in (cq, ck))
             v = project_to_heads(x, cv, None, "cp_ulysses", dt)
             if dims.c > 1:
-                k, v = gather_kv(k, "cp_colossal"), gather_kv(v, "cp_colossal")
+                k, v = gather(k, "cp_colossal"), gather(v, "cp_colossal")
             o = kernels.local_attention(q, k, v, kernel=shape.kernel, q_positions=pos_u, kv_positions=kv_pos,
                                         is_causal=shape.is_causal)
             y = y + heads_to_model(o, co, "cp_ulysses").astype(jnp.float32)
@@ -159,6 +179,7 @@ VARIANTS = {
     "naive": ("naive fused QKV", plan.naive_layer, (1,)),
     "pipelined": ("pipelined prototype", pipelined_layer, (2, 4)),
     "pipelined-norope": ("pipelined, no RoPE", pipelined_layer, (2,)),
+    "pipelined-a2a": ("pipelined, K/V all-gather as all-to-all", partial(pipelined_layer, gather=gather_kv_a2a), (2, 4)),
 }
 
 
@@ -167,6 +188,7 @@ def main(argv=None):
     p.add_argument("--topology", action="append", help="repeatable; default: " + ", ".join(CASES))
     p.add_argument("--variants", default="cp,naive,pipelined,pipelined-norope")
     p.add_argument("--kernel", default="blockwise")
+    p.add_argument("--layouts", default="Ulysses,all-gather,hybrid")
     args = p.parse_args(argv)
     spec = plan.MODELS["llama3-8b"]
     print("| topology | layout (c,u,t) dp | B, S | variant | chunks | overlap fwd | overlap bwd | "
@@ -176,11 +198,13 @@ def main(argv=None):
         batch, seq_len, layouts = CASES[topo]
         devices = plan.get_topology(topo).devices
         for name, c, u, t in layouts:
+            if name not in args.layouts.split(","):
+                continue
             mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, devices=devices)
             for key in args.variants.split(","):
                 label, build, chunk_options = VARIANTS[key]
                 for chunks in chunk_options:
-                    if spec.num_heads % (t * u * chunks) or (key == "cp-ring" and c == 1):
+                    if spec.num_heads % (t * u * chunks) or (key in ("cp-ring", "pipelined-a2a") and c == 1):
                         continue
                     rope = None if key.endswith("norope") else spec.rope_theta
                     shape = plan.LayerShape(batch=batch, seq_len=seq_len, d_model=spec.d_model,

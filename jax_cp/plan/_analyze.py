@@ -139,6 +139,16 @@ def _scheduled_text(compiled, dump: str) -> str:
     return compiled.as_text()
 
 
+def _mesh(topology: str, devices, c: int, u: int, t: int):
+    try:
+        return make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, devices=devices)
+    except NotImplementedError as e:  # jax.make_mesh cannot lay these axes onto the torus
+        raise ValueError(
+            f"cp_colossal={c}, cp_ulysses={u}, tp={t} (dp={len(devices) // (c * u * t)}) does not map onto the "
+            f"{topology} torus ({e}); choose degrees that are products of its side lengths."
+        ) from None
+
+
 def _flags_for(chip, xla_flags) -> tuple[str, ...]:
     return recommended_xla_flags("tpu", chip=chip.name) if xla_flags is None else tuple(xla_flags)
 
@@ -152,7 +162,7 @@ def analyze_layout(topology: str, shape: LayerShape, c: int, u: int, t: int, *, 
     chip = chip_for(topology)
     budget = int(memory_budget or chip.device_hbm_bytes)
     flags = _flags_for(chip, xla_flags)
-    mesh = make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, devices=devices)
+    mesh = _mesh(topology, devices, c, u, t)
     label = f"CPAttention ({c},{u},{t})"
     analysis = _compile(cp_layer, label, shape, mesh, chip, budget, flags)
     base = _compile(naive_layer, "naive fused QKV", shape, mesh, chip, budget, flags) if baseline else None
@@ -228,7 +238,11 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
             s = dataclasses.replace(shape, kv_exchange=ex, overlap_chunks=chunks)
             if shape.num_heads % (t * u * chunks):
                 continue
-            r = analyze_layout(topology, s, c, u, t, memory_budget=budget, baseline=False, xla_flags=xla_flags)
+            try:
+                r = analyze_layout(topology, s, c, u, t, memory_budget=budget, baseline=False, xla_flags=xla_flags)
+            except ValueError as e:
+                reasons.append(f"skipped ({c},{u},{t}) {ex}: {e}")
+                break
             tried.append((r, s))
     for r, s in tried:
         a = r.analysis
@@ -251,8 +265,7 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
     )
     base = None
     if baseline:
-        mesh = make_mesh(cp_colossal=m["cp_colossal"], cp_ulysses=m["cp_ulysses"], tp=m["tp"],
-                         devices=get_topology(topology).devices)
+        mesh = _mesh(topology, get_topology(topology).devices, m["cp_colossal"], m["cp_ulysses"], m["tp"])
         base = _compile(naive_layer, "naive fused QKV", s, mesh, chip, budget, _flags_for(chip, xla_flags))
     return dataclasses.replace(best, baseline=base, reasons=tuple(reasons))
 
