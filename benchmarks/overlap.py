@@ -175,7 +175,7 @@ def cp_ring_layer(shape: plan.LayerShape, mesh):
 
 VARIANTS = {
     "cp": ("CPAttention", plan.cp_layer, (1, 2)),
-    "cp-ring": ("CPAttention ring", cp_ring_layer, (1,)),
+    "cp-ring": ("CPAttention ring", cp_ring_layer, (1, 2)),
     "naive": ("naive fused QKV", plan.naive_layer, (1,)),
     "pipelined": ("pipelined prototype", pipelined_layer, (2, 4)),
     "pipelined-norope": ("pipelined, no RoPE", pipelined_layer, (2,)),
