@@ -10,7 +10,6 @@ Letters: B batch, S sequence, D model width, H query heads, K kv heads, d head d
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -141,13 +140,3 @@ def naive_layer(shape: LayerShape, mesh):
 
 def _explicit(mesh) -> bool:
     return any(a == jax.sharding.AxisType.Explicit for a in getattr(mesh, "axis_types", ()))
-
-
-def compile_program(build, shape: LayerShape, mesh):
-    """Lowers and compiles ``build(shape, mesh)`` for the mesh's devices; returns the compiled program."""
-    fn, args = build(shape, mesh)
-    return jax.jit(fn).lower(*args).compile()
-
-
-compile_cp = partial(compile_program, cp_layer)
-compile_naive = partial(compile_program, naive_layer)
