@@ -151,24 +151,25 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS, *, cfg: LayerConfig, layout: Lay
     bq = bk = bv = None
     if cfg.use_bias:
         bq, bk, bv = w["q_bias"], _local_kv(w["k_bias"], layout, 0), _local_kv(w["v_bias"], layout, 0)
-    qs, ks, vs = [], [], []
-    for cq, ck, cv, cbq, cbk, cbv in zip(
-        _chunks(wq, n, 1), _chunks(wk, n, 1), _chunks(wv, n, 1),
-        *(_chunks(b, n, 0) if b is not None else [None] * n for b in (bq, bk, bv)),
-    ):
-        qs.append(project_to_heads(x, cq, cbq, ULYSSES, dtype))
-        ks.append(project_to_heads(x, ck, cbk, ULYSSES, dtype))
-        vs.append(project_to_heads(x, cv, cbv, ULYSSES, dtype))
-    q, k, v = (jnp.concatenate(a, axis=2) if n > 1 else a[0] for a in (qs, ks, vs))
     pos = gather_ints(pos_BS, ULYSSES)
     seg = None if seg_BS is None else gather_ints(seg_BS, ULYSSES)
-    if cfg.use_qk_norm:
-        q, k = rms_norm(q, params["q_norm"]), rms_norm(k, params["k_norm"])
-    if cfg.rope_theta is not None:
-        q, k = apply_rope(q, pos, cfg.rope_theta), apply_rope(k, pos, cfg.rope_theta)
-    o = attend_shard(q, k, v, pos, seg, kv_exchange=cfg.kv_exchange, kernel=cfg.kernel,
-                     is_causal=cfg.is_causal, local_window_size=window, scale=scale)
-    y = sum(heads_to_model(co, cw, ULYSSES) for co, cw in zip(_chunks(o, n, 2), _chunks(wo, n, 0)))
+    # One pipeline stage per head chunk: chunk i's collectives and attention are
+    # independent of chunk i+1's matmuls, so XLA can hide one under the other.
+    y = 0
+    for cq, ck, cv, cbq, cbk, cbv, cwo in zip(
+        _chunks(wq, n, 1), _chunks(wk, n, 1), _chunks(wv, n, 1),
+        *(_chunks(b, n, 0) if b is not None else [None] * n for b in (bq, bk, bv)), _chunks(wo, n, 0),
+    ):
+        q = project_to_heads(x, cq, cbq, ULYSSES, dtype)
+        k = project_to_heads(x, ck, cbk, ULYSSES, dtype)
+        v = project_to_heads(x, cv, cbv, ULYSSES, dtype)
+        if cfg.use_qk_norm:
+            q, k = rms_norm(q, params["q_norm"]), rms_norm(k, params["k_norm"])
+        if cfg.rope_theta is not None:
+            q, k = apply_rope(q, pos, cfg.rope_theta), apply_rope(k, pos, cfg.rope_theta)
+        o = attend_shard(q, k, v, pos, seg, kv_exchange=cfg.kv_exchange, kernel=cfg.kernel,
+                         is_causal=cfg.is_causal, local_window_size=window, scale=scale)
+        y = y + heads_to_model(o, cwo, ULYSSES)
     y = lax.psum(y, TP)
     if cfg.use_bias:
         y = y + params["o_bias"][None, None]  # once, after the psum; in the parameter dtype
