@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_cp import kernels as _kernels
 from jax_cp._attention import KV_EXCHANGES, attend_shard, check_metadata, check_seq_batch
+from jax_cp._checks import check_positive_fields
 from jax_cp._collectives import gather_ints
 from jax_cp._masks import normalize_window
 from jax_cp._mesh import AXES, CP, DP, TP, ULYSSES, MeshDims, lcm, mesh_dims, place
@@ -46,10 +47,7 @@ class LayerConfig:
     kv_exchange: str = "all_gather"
 
     def __post_init__(self):
-        for name in ("in_features", "num_heads", "num_kv_heads", "head_dim", "overlap_chunks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer.")
+        check_positive_fields(self, ("in_features", "num_heads", "num_kv_heads", "head_dim", "overlap_chunks"))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "

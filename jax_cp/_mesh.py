@@ -12,16 +12,13 @@ from typing import Sequence
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jax_cp._checks import check_positive_int
+
 DP, COLOSSAL, ULYSSES, TP = "dp", "cp_colossal", "cp_ulysses", "tp"
 AXES = (DP, COLOSSAL, ULYSSES, TP)
 CP = (COLOSSAL, ULYSSES)  # the sequence axis is sharded colossal-major
 
 __all__ = ["AXES", "CP", "MeshDims", "make_mesh", "mesh_dims", "place"]
-
-
-def _check_degree(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer.")
 
 
 def make_mesh(
@@ -43,7 +40,7 @@ def make_mesh(
     keeps JAX's default (``Explicit``).
     """
     for name, value in (("cp_colossal", cp_colossal), ("cp_ulysses", cp_ulysses), ("tp", tp)):
-        _check_degree(name, value)
+        check_positive_int(name, value)
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     cp_tp = cp_colossal * cp_ulysses * tp
@@ -54,7 +51,7 @@ def make_mesh(
                 f"choose degrees whose product divides {n}."
             )
         dp = n // cp_tp
-    _check_degree("dp", dp)
+    check_positive_int("dp", dp)
     if dp * cp_tp != n:
         raise ValueError(
             f"dp*cp_colossal*cp_ulysses*tp={dp}*{cp_colossal}*{cp_ulysses}*{tp}={dp * cp_tp} "

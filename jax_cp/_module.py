@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_cp._checks import check_positive_int
 from jax_cp._layer import LayerConfig, init_param, layer_forward, layout_for, param_shapes, param_specs
 from jax_cp._mesh import mesh_dims, place
 
@@ -11,8 +12,7 @@ __all__ = ["CPAttention"]
 
 
 def make_config(in_features, num_heads, num_kv_heads, head_dim, **kw) -> LayerConfig:
-    if not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"num_heads={num_heads!r} must be a positive integer.")
+    check_positive_int("num_heads", num_heads)
     if head_dim is None:
         if in_features % num_heads:
             raise ValueError(f"in_features={in_features} is not divisible by num_heads={num_heads}; pass head_dim explicitly.")

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_cp
+from jax_cp._checks import check_positive_fields
 
 __all__ = [
     "CONFIGS", "Llama", "LlamaConfig", "Sharding", "abstract_model", "get_config", "next_token_loss",
@@ -44,10 +45,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer.")
+        check_positive_fields(self, ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff"))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}.")
         if self.head_dim % 2:

@@ -16,6 +16,7 @@ import time
 
 import jax
 
+from jax_cp._checks import check_positive_int
 from jax_cp._mesh import make_mesh
 from jax_cp.plan import _auto
 from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
@@ -73,8 +74,7 @@ def _layer_shape(model, *, batch, seq_len, **kw) -> LayerShape:
 def check_degrees(n_devices: int, shape: LayerShape, c: int, u: int, t: int) -> int:
     """Validates cp_colossal/cp_ulysses/tp against the devices and shapes; returns dp."""
     for name, v in (("cp_colossal", c), ("cp_ulysses", u), ("tp", t)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive integer.")
+        check_positive_int(name, v)
     if n_devices % (c * u * t):
         raise ValueError(
             f"cp_colossal*cp_ulysses*tp={c}*{u}*{t}={c * u * t} does not divide the topology's {n_devices} "
@@ -211,8 +211,7 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
     the heads allow), since only the compiled schedule shows what chunking buys.
     When none fits the budget, up to ``2 * candidates`` more layouts are tried.
     """
-    if not isinstance(candidates, int) or candidates < 1:
-        raise ValueError(f"candidates={candidates!r} must be a positive integer.")
+    check_positive_int("candidates", candidates)
     chip = chip_for(topology)
     n = len(get_topology(topology).devices)
     budget = int(memory_budget or chip.device_hbm_bytes)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_cp._checks import check_positive_fields
 from jax_cp._mesh import CP, DP, TP, ULYSSES, lcm, mesh_dims
 
 __all__ = ["LayerShape", "cp_layer", "naive_layer"]
@@ -43,10 +44,8 @@ class LayerShape:
     overlap_chunks: int = 1
 
     def __post_init__(self):
-        for name in ("batch", "seq_len", "d_model", "num_heads", "num_kv_heads", "head_dim", "overlap_chunks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer.")
+        check_positive_fields(
+            self, ("batch", "seq_len", "d_model", "num_heads", "num_kv_heads", "head_dim", "overlap_chunks"))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}.")
         for name in ("dtype", "param_dtype"):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax_cp._checks import check_positive_fields
+
 __all__ = ["ModelSpec", "MODELS", "model_spec"]
 
 
@@ -17,10 +19,7 @@ class ModelSpec:
     rope_theta: float | None = 500_000.0
 
     def __post_init__(self):
-        for name in ("d_model", "num_heads", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer.")
+        check_positive_fields(self, ("d_model", "num_heads", "num_kv_heads", "head_dim"))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}.")
 
