@@ -507,7 +507,7 @@ def run_row(impls: list[Impl], case: Case, inp: Inputs, ref, reps: int, warmup: 
             if entry[0].status == "ok":
                 call(entry, timed=False)
     for r in range(reps):
-        shift = r % max(len(live), 1)
+        shift = (r * len(live)) // max(reps, 1)  # each repetition starts elsewhere in the order
         if r == 1 and drop_after_first:
             # Clear losers of the first repetition are not repeated: their one time stands.
             firsts = [e[0].times[0] for e in live if e[0].status == "ok" and e[0].times]
