@@ -77,6 +77,20 @@ def check_metadata(name: str, value, batch: int, seq_len: int):
     return jnp.broadcast_to(value.astype(jnp.int32), (batch, seq_len))
 
 
+def placed_metadata(positions, segment_ids, batch: int, seq_len: int, mesh):
+    """Checked, placed ``[B, S]`` positions (``arange`` when None) and segment ids (if given).
+
+    Returns the shard_map arguments and their in_specs, so every entry point
+    hands its per-shard function ``pos_BS`` and, only when given, ``seg_BS``.
+    """
+    positions = check_metadata("positions", positions, batch, seq_len)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
+    segment_ids = check_metadata("segment_ids", segment_ids, batch, seq_len)
+    present = [a for a in (positions, segment_ids) if a is not None]
+    return [place(a, mesh, META_SPEC) for a in present], [META_SPEC] * len(present)
+
+
 def attend_shard(q_BSHd, k_BSKd, v_BSKd, pos_BS, seg_BS, *, kv_exchange="all_gather", kernel="auto", **mask):
     """Colossal K/V exchange and the local kernel, after the Ulysses all-to-all.
 
@@ -150,19 +164,12 @@ def dot_product_attention(
         raise ValueError(f"kv_exchange={kv_exchange!r} must be one of {KV_EXCHANGES}.")
     _kernels.check_kernel(kernel)
     window = normalize_window(local_window_size)
-    positions = check_metadata("positions", positions, B, S)
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    segment_ids = check_metadata("segment_ids", segment_ids, B, S)
+    meta, meta_specs = placed_metadata(positions, segment_ids, B, S, mesh)
 
     if rep > 1:
         key, value = (jnp.repeat(a, rep, axis=2) for a in (key, value))
-    args = [place(a, mesh, X_SPEC) for a in (query, key, value)]
-    args.append(place(positions, mesh, META_SPEC))
-    in_specs = [X_SPEC] * 3 + [META_SPEC]
-    if segment_ids is not None:
-        args.append(place(segment_ids, mesh, META_SPEC))
-        in_specs.append(META_SPEC)
+    args = [place(a, mesh, X_SPEC) for a in (query, key, value)] + meta
+    in_specs = [X_SPEC] * 3 + meta_specs
     fn = partial(_shard_fn, is_causal=is_causal, scale=scale, local_window_size=window,
                  kernel=kernel, kv_exchange=kv_exchange)
     out = jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=X_SPEC)(*args)

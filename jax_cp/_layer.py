@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_cp import kernels as _kernels
-from jax_cp._attention import KV_EXCHANGES, attend_shard, check_metadata, check_seq_batch
+from jax_cp._attention import KV_EXCHANGES, attend_shard, check_seq_batch, placed_metadata
 from jax_cp._checks import check_positive_fields
 from jax_cp._collectives import gather_ints
 from jax_cp._masks import normalize_window
@@ -27,7 +27,6 @@ from jax_cp._posenc import apply_rope, rms_norm
 from jax_cp._projection import heads_to_model, project_to_heads
 
 X_SPEC = P(DP, CP, None)
-META_SPEC = P(DP, CP)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -140,7 +139,7 @@ def _chunks(a, n, axis):
     return jnp.split(a, n, axis=axis) if n > 1 else [a]
 
 
-def _layer_shard(params, x_BSD, pos_BS, seg_BS, *, cfg: LayerConfig, layout: Layout, dtype, window, scale):
+def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, cfg: LayerConfig, layout: Layout, dtype, window, scale):
     n = cfg.overlap_chunks
     x = _varying(x_BSD.astype(dtype))
     w = {k: _varying(v) for k, v in params.items()}  # parameter dtype; cast to dtype inside each block
@@ -184,19 +183,11 @@ def layer_forward(params: dict, x_BSD, *, mesh, cfg: LayerConfig, dtype=None, po
     B, S, _ = x_BSD.shape
     check_seq_batch(B, S, dims)
     window = normalize_window(local_window_size)
-    positions = check_metadata("positions", positions, B, S)
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    segment_ids = check_metadata("segment_ids", segment_ids, B, S)
+    meta, meta_specs = placed_metadata(positions, segment_ids, B, S, mesh)
     dtype = jnp.dtype(x_BSD.dtype if dtype is None else dtype)
     specs = param_specs(cfg, layout)
     params = {k: place(params[k], mesh, specs[k]) for k in specs}
-    args = [params, place(x_BSD, mesh, X_SPEC), place(positions, mesh, META_SPEC)]
-    in_specs = [specs, X_SPEC, META_SPEC]
-    if segment_ids is not None:
-        args.append(place(segment_ids, mesh, META_SPEC))
-        in_specs.append(META_SPEC)
+    args = [params, place(x_BSD, mesh, X_SPEC)] + meta
+    in_specs = [specs, X_SPEC] + meta_specs
     fn = partial(_layer_shard, cfg=cfg, layout=layout, dtype=dtype, window=window, scale=scale)
-    if segment_ids is None:
-        fn = partial(fn, seg_BS=None)
     return jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=X_SPEC)(*args)
