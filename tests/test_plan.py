@@ -114,6 +114,126 @@ def test_parser_on_hand_written_hlo():
     assert s.overlap_fraction() == pytest.approx((256 + 256) / (256 + 256 + 256))
 
 
+# The same kinds of ops as the scheduled HLO reads under jax 0.12 (jaxlib 0.12.0.1, libtpu 0.0.52): named-mesh replica
+# groups (`mesh[...] {axes}`) and `%name#k` operands for tuple elements instead of get-tuple-element instructions.
+HLO_MESH = """HloModule jit_step, is_scheduled=true
+
+%fused_matmul (p0: bf16[8,16], p1: bf16[16,16]) -> bf16[8,16] {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  %p1 = bf16[16,16]{1,0} parameter(1)
+  ROOT %convolution.1 = bf16[8,16]{1,0} convolution(%p0, %p1), dim_labels=bf_io->bf
+}
+
+%split (p0.5: bf16[8,16]) -> (bf16[8,16], bf16[4,16]) {
+  %p0.5 = bf16[8,16]{1,0} parameter(0)
+  %slice.5 = bf16[4,16]{1,0} slice(%p0.5), slice={[0:4], [0:16]}
+  ROOT %tuple.5 = (bf16[8,16]{1,0}, bf16[4,16]{1,0}) tuple(%p0.5, %slice.5)
+}
+
+%async_computation (param_0: bf16[8,16]) -> bf16[8,16] {
+  %param_0 = bf16[8,16]{1,0} parameter(0)
+  ROOT %all_to_all.1 = bf16[8,16]{1,0} all-to-all(%param_0), channel_id=1, replica_groups=mesh['dp'=1,'cp_colossal'=2,'cp_ulysses'=2,'tp'=2] {'cp_ulysses'}, dimensions={0}, metadata={op_name="jit(step)/transpose(jvp())/shard_map/all_to_all" stack_frame_id=7}
+}
+
+%async_computation.1 (param_0.1: bf16[8,16]) -> bf16[8,16] {
+  %param_0.1 = bf16[8,16]{1,0} parameter(0)
+  ROOT %all_to_all.2 = bf16[8,16]{1,0} all-to-all(%param_0.1), channel_id=2, replica_groups=mesh['dp'=1,'cp_colossal'=2,'cp_ulysses'=2,'tp'=2] {'cp_colossal','cp_ulysses'}, dimensions={0}
+}
+
+%ag_start_comp (p0.1: bf16[4,16]) -> (bf16[4,16], bf16[8,16], u32[]) {
+  %p0.1 = bf16[4,16]{1,0} parameter(0)
+  %all-gather.1 = bf16[8,16]{1,0} all-gather(%p0.1), channel_id=4, replica_groups=mesh['dp'=1,'cp_colossal'=2,'cp_ulysses'=2,'tp'=2] {'cp_colossal'}, dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(step)/jvp()/shard_map/all_gather"}
+  ROOT %custom-call.1 = (bf16[4,16]{1,0}, bf16[8,16]{1,0}, u32[]) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%async_collective_fusion.7 (p0.2: bf16[4,16], p1.2: bf16[8,16], p2.2: bf16[8,16], p3.2: bf16[16,16]) -> (bf16[8,16], bf16[4,16], bf16[8,16]) {
+  %p0.2 = bf16[4,16]{1,0} parameter(0)
+  %p1.2 = bf16[8,16]{1,0} parameter(1)
+  %p2.2 = bf16[8,16]{1,0} parameter(2)
+  %p3.2 = bf16[16,16]{1,0} parameter(3)
+  %convolution.2 = bf16[8,16]{1,0} convolution(%p2.2, %p3.2), dim_labels=bf_io->bf
+  %all-gather.2 = bf16[8,16]{1,0} all-gather(%p0.2), channel_id=4, replica_groups=mesh['dp'=1,'cp_colossal'=2,'cp_ulysses'=2,'tp'=2] {'cp_colossal'}, dimensions={0}, use_global_device_ids=true
+  ROOT %tuple.2 = (bf16[8,16]{1,0}, bf16[4,16]{1,0}, bf16[8,16]{1,0}) tuple(%convolution.2, %p0.2, %all-gather.2)
+}
+
+%ag_done_comp (p0.3: bf16[4,16], p1.3: bf16[8,16]) -> bf16[8,16] {
+  %p0.3 = bf16[4,16]{1,0} parameter(0)
+  %p1.3 = bf16[8,16]{1,0} parameter(1)
+  %all-gather.3 = bf16[8,16]{1,0} all-gather(%p0.3), channel_id=4, replica_groups=mesh['dp'=1,'cp_colossal'=2,'cp_ulysses'=2,'tp'=2] {'cp_colossal'}, dimensions={0}, use_global_device_ids=true
+  ROOT %custom-call.3 = bf16[8,16]{1,0} custom-call(%p0.3, %p1.3, %all-gather.3), custom_call_target="AsyncCollectiveDone"
+}
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %sum = bf16[] add(%a, %b)
+}
+
+ENTRY %main (x: bf16[8,16], w: bf16[16,16], s: bf16[4,16]) -> (bf16[8,16], bf16[8,16], bf16[8,16], bf16[8,16], bf16[8,16]) {
+  %x = bf16[8,16]{1,0} parameter(0), metadata={op_name="x"}
+  %w = bf16[16,16]{1,0} parameter(1), metadata={op_name="w"}
+  %s = bf16[4,16]{1,0} parameter(2)
+  %all-to-all-start = ((bf16[8,16]{1,0}), bf16[8,16]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) async-start(%x), calls=%async_computation
+  %convolution_fusion = bf16[8,16]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_matmul, metadata={op_name="jit(step)/jvp()/dot_general"}
+  %all-to-all-done = bf16[8,16]{1,0} async-done(%all-to-all-start)
+  %split_fusion = (bf16[8,16]{1,0}, bf16[4,16]{1,0}) fusion(%convolution_fusion), kind=kLoop, calls=%split
+  %all-to-all-start.1 = ((bf16[8,16]{1,0}), bf16[8,16]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) async-start(%split_fusion#0), calls=%async_computation.1, metadata={op_name="jit(step)/jvp()/shard_map/all_to_all" stack_frame_id=9}
+  %all-to-all-done.1 = bf16[8,16]{1,0} async-done(%all-to-all-start.1), metadata={op_name="jit(step)/jvp()/shard_map/all_to_all" stack_frame_id=9}
+  %all_gather.3 = bf16[8,16]{1,0} all-gather(%split_fusion#1), channel_id=3, replica_groups=mesh['dp'=1,'cp_colossal'=2,'cp_ulysses'=2,'tp'=2] {'dp','cp_colossal'}, dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(step)/jvp()/shard_map/all_gather"}
+  %async-collective-start = (bf16[4,16]{1,0}, bf16[8,16]{1,0}, u32[]) fusion(%s), kind=kCustom, calls=%ag_start_comp
+  %fusion.2 = (bf16[8,16]{1,0}, bf16[4,16]{1,0}, bf16[8,16]{1,0}) fusion(%async-collective-start#0, %async-collective-start#1, %all-to-all-done, %w), kind=kOutput, calls=%async_collective_fusion.7
+  %async-collective-done = bf16[8,16]{1,0} fusion(%fusion.2#1, %fusion.2#2), kind=kCustom, calls=%ag_done_comp
+  %psum.4 = bf16[8,16]{1,0} all-reduce(%all-to-all-done.1), channel_id=5, replica_groups=mesh['dp'=1,'cp_colossal'=2,'cp_ulysses'=2,'tp'=2] {'tp'}, use_global_device_ids=true, to_apply=%add
+  %split_fusion.2 = (bf16[8,16]{1,0}, bf16[4,16]{1,0}) fusion(%psum.4), kind=kLoop, calls=%split
+  %fusion.3 = bf16[8,16]{1,0} fusion(%all_gather.3, %w), kind=kOutput, calls=%fused_matmul
+  %fusion.4 = bf16[8,16]{1,0} fusion(%split_fusion.2#0, %w), kind=kOutput, calls=%fused_matmul
+  %fusion.5 = bf16[8,16]{1,0} fusion(%async-collective-done, %w), kind=kOutput, calls=%fused_matmul
+  ROOT %tuple = (bf16[8,16]{1,0}, bf16[8,16]{1,0}, bf16[8,16]{1,0}, bf16[8,16]{1,0}, bf16[8,16]{1,0}) tuple(%fusion.2#0, %fusion.3, %fusion.4, %fusion.5, %all-to-all-done)
+}
+"""
+
+
+def test_parser_on_hand_written_hlo_jax_0_12_form():
+    """Named-mesh replica groups, async-start calling the collective's computation, `%name#k` operands."""
+    s = plan.analyze_schedule(HLO_MESH, **MESH)
+    got = {c.name: c for c in s.collectives}
+    assert list(got) == ["all-to-all-start", "all-to-all-start.1", "all_gather.3", "async-collective-start", "psum.4"]
+    a2a, a2a_1, ag_sync, ag, ar = got.values()
+    # async-start -> %async_computation holding the all-to-all and its mesh-form groups; a convolution fusion
+    # before the done: overlapped. Phase from the inner op's metadata (the async-start has none).
+    assert (a2a.kind, a2a.axes, a2a.group_size, a2a.bytes, a2a.phase, a2a.is_async, a2a.overlapped) == (
+        "all-to-all", ("cp_ulysses",), 2, 8 * 16 * 2, "bwd", True, True)
+    assert a2a.compute_inside == ("convolution_fusion",) and a2a.feeds_compute
+    # Two group axes; phase from the async-start's metadata (the inner op has none); nothing before the done.
+    assert (a2a_1.kind, a2a_1.axes, a2a_1.group_size, a2a_1.phase, a2a_1.is_async, a2a_1.overlapped) == (
+        "all-to-all", ("cp_colossal", "cp_ulysses"), 4, "fwd", True, False)
+    # A size-1 axis (dp) in the group adds nothing; bytes of `%split_fusion#1` are its element's, not the tuple's.
+    assert (ag_sync.kind, ag_sync.axes, ag_sync.bytes, ag_sync.is_async) == ("all-gather", ("cp_colossal",), 256, False)
+    # TPU async collective fusion chained through `#k` operands (no get-tuple-element).
+    assert (ag.kind, ag.axes, ag.bytes, ag.is_async, ag.overlapped, ag.compute_inside) == (
+        "all-gather", ("cp_colossal",), 8 * 16 * 2, True, True, ("fusion.2",))
+    # The all-reduce's result reaches a matmul only through `%split_fusion.2#0`.
+    assert ar.axes == ("tp",) and ar.feeds_compute and not s.is_cp(ar)
+    assert s.overlap_fraction("fwd") == pytest.approx(256 / (256 + 256 + 256))
+    assert s.overlap_fraction("bwd") == 1.0
+
+
+def test_parser_mesh_replica_groups():
+    groups = _hlo._groups
+    assert groups("replica_groups=mesh['a'=2,'b'=4] {'b'}, dimensions={0}") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups("replica_groups=mesh['a'=2,'b'=4] {'a'}") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # Sub-axes: 'a':(p)k is the size-k factor of a below its major size-p factor.
+    assert groups("replica_groups=mesh['a'=8] {'a':(1)2}") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups("replica_groups=mesh['a'=8] {'a':(2)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups("replica_groups=mesh['a'=8] {'a':(1)2,'a':(4)2}") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    # An explicit device order (iota-with-transpose or a list).
+    assert groups("replica_groups=mesh['a'=2,'b'=4], device_ids=([2,4]<=[4,2]T(1,0)) {'b'}") == [
+        [0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups("replica_groups=mesh['a'=2,'b'=2], device_ids=(3,1,0,2) {'b'}") == [[3, 1], [0, 2]]
+    assert _hlo._axes(groups("replica_groups=mesh['dp'=1,'cp_colossal'=2,'cp_ulysses'=2,'tp'=2] {'dp','tp'}"),
+                      (1, 2, 2, 2), MESH["axis_names"]) == ("tp",)
+
+
 def test_parser_iota_replica_groups_and_shapes():
     groups = _hlo._groups("replica_groups=[4,2]<=[2,2,2]T(0,2,1), dimensions={0}")
     assert groups == [[0, 2], [1, 3], [4, 6], [5, 7]]

@@ -13,6 +13,11 @@ scheduled between its start and its done. Async forms recognised:
   hold the collective (and usually a convolution), ended by one holding
   ``AsyncCollectiveDone``.
 
+Replica groups are read in each form XLA prints: explicit lists
+(``{{0,2},{1,3}}``), iota (``[4,2]<=[2,2,2]T(0,2,1)``) and named mesh axes
+(``mesh['dp'=1,'cp'=4] {'cp'}``, the modules jax 0.12 compiles); devices are the
+mesh's logical ids in all three.
+
 A collective in a scheduled computation (or a plain fusion) is synchronous.
 Backward collectives are those JAX named under ``transpose(...)`` in the op
 metadata (for ops the compiler created without metadata: those fed by such
@@ -27,7 +32,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from jax_cp.plan._hlo_text import Instr, _balanced, array_bytes, parse_module
+from jax_cp.plan._hlo_text import Instr, _balanced, array_bytes, parse_module, tuple_element
 
 __all__ = ["Instr", "Collective", "Schedule", "parse_module", "analyze_schedule", "COLLECTIVE_KINDS"]
 
@@ -35,6 +40,11 @@ COLLECTIVE_KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", 
 PHASES = ("fwd", "bwd")
 
 _IOTA_GROUPS = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+# Named-mesh replica groups: mesh[<axes>][, device_ids=(<ids>)] {<group axes>}.
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:\s*,\s*device_ids=\(((?:[^()]|\([^()]*\))*)\))?\s*\{([^}]*)\}")
+_MESH_AXIS = re.compile(r"('[^']*'|\"[^\"]*\"|[\w.\-]+)\s*=\s*(\d+)")
+_GROUP_AXIS = re.compile(r"('[^']*'|\"[^\"]*\"|[\w.\-]+)(?:\s*:\s*\((\d+)\)(\d+))?")
+_IOTA_SPEC = re.compile(r"<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 _KERNEL_TARGETS = re.compile(r"tpu_custom_call|mosaic|gemm|cublas|cudnn|triton", re.I)
 _COMPUTE_OPS = ("convolution", "dot", "ragged-dot")
 
@@ -160,15 +170,74 @@ def _kind(opcode: str) -> str:
     return opcode.removesuffix("-start").removesuffix("-done")
 
 
+def _iota(dims: Sequence[int], reshape: str, perm: str | None) -> np.ndarray:
+    """``[dims]<=[reshape]T(perm)``: iota over ``reshape``, transposed by ``perm``, reshaped to ``dims``."""
+    shape = [int(x) for x in reshape.split(",")]
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    if perm:
+        ids = ids.transpose([int(x) for x in perm.split(",")])
+    return ids.reshape(dims)
+
+
+def _mesh_device_ids(spec: str, sizes: list[int]) -> np.ndarray | None:
+    """The device at each mesh coordinate: iota unless ``device_ids=(...)`` says otherwise."""
+    if not spec:
+        return np.arange(math.prod(sizes)).reshape(sizes)
+    m = _IOTA_SPEC.search(spec)
+    if m:
+        return _iota(sizes, m.group(1), m.group(2))
+    ids = [int(x) for x in re.findall(r"\d+", re.sub(r"^\s*\[[0-9,\s]*\]", "", spec))]
+    return np.array(ids).reshape(sizes) if len(ids) == math.prod(sizes) else None
+
+
+def _mesh_groups(attrs: str) -> list[list[int]] | None:
+    """``replica_groups=mesh['a'=2,'b'=4] {'b'}`` (XLA's named-mesh form, as jax 0.12 compiles) -> device groups.
+
+    Devices at mesh coordinates that agree on every axis outside the braces
+    form one group. A sub-axis ``'b':(p)k`` is the size-``k`` factor of axis
+    ``b`` below its major size-``p`` factor. ``None`` when ``attrs`` has no
+    mesh form (or one this reader cannot follow).
+    """
+    m = _MESH_GROUPS.search(attrs)
+    if not m:
+        return None
+    mesh_axes = [(name.strip("'\""), int(size)) for name, size in _MESH_AXIS.findall(m.group(1))]
+    if not mesh_axes:
+        return None
+    names, sizes = [a for a, _ in mesh_axes], [s for _, s in mesh_axes]
+    ids = _mesh_device_ids(m.group(2) or "", sizes)
+    if ids is None:
+        return None
+    refs = []  # (mesh axis index, pre-size, size)
+    for name, pre, size in _GROUP_AXIS.findall(m.group(3)):
+        name = name.strip("'\"")
+        if name not in names:
+            return None
+        a = names.index(name)
+        refs.append((a, int(pre), int(size)) if size else (a, 1, sizes[a]))
+    # Split each mesh axis at every sub-axis boundary (a boundary: the product of the sizes above it).
+    factors, grouped = [], []
+    for a, n in enumerate(sizes):
+        cuts = sorted({1, n} | {x for r in refs if r[0] == a for x in (r[1], r[1] * r[2])})
+        if any(n % c for c in cuts):
+            return None
+        for lo, hi in zip(cuts, cuts[1:]):  # major to minor
+            grouped.append(any(r[0] == a and r[1] <= lo and hi <= r[1] * r[2] for r in refs))
+            factors.append(hi // lo)
+    ids = ids.reshape(factors)
+    keep = [d for d, g in enumerate(grouped) if not g]
+    inner = [d for d, g in enumerate(grouped) if g]
+    group_size = math.prod(factors[d] for d in inner)
+    return ids.transpose(keep + inner).reshape(-1, group_size).tolist()
+
+
 def _groups(attrs: str) -> list[list[int]]:
+    mesh = _mesh_groups(attrs)
+    if mesh is not None:
+        return mesh
     m = _IOTA_GROUPS.search(attrs)
     if m:
-        shape = [int(x) for x in m.group(1).split(",")]
-        dims = [int(x) for x in m.group(2).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if m.group(3):
-            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        return ids.reshape(shape).tolist()
+        return _iota([int(x) for x in m.group(1).split(",")], m.group(2), m.group(3)).tolist()
     for key in ("replica_groups=", "source_target_pairs="):
         pos = attrs.find(key + "{")
         if pos >= 0:
@@ -185,6 +254,14 @@ def _axes(groups: list[list[int]], mesh_shape: Sequence[int], axis_names: Sequen
         coords = np.array([np.unravel_index(i % n, tuple(mesh_shape)) for i in g]).reshape(len(g), -1)
         varying.update(a for a in range(len(mesh_shape)) if len(set(coords[:, a])) > 1)
     return tuple(axis_names[a] for a in sorted(varying))
+
+
+def _operand_shape(table: dict[str, Instr], ref: str) -> str:
+    """The shape of an operand as written: ``name``, or ``name#k`` (element ``k`` of a tuple)."""
+    name, _, index = ref.partition("#")
+    if name not in table:
+        return ""
+    return tuple_element(table[name].shape, int(index)) if index.isdigit() else table[name].shape
 
 
 def _phase(op_name: str) -> str:
@@ -311,7 +388,7 @@ def _describe(mod, comp, i, names, instrs, done_pos, inside, is_async, mesh_shap
     else:
         core, core_comp = mod.inner_collective(i.called[0])
     table = mod.by_name[core_comp]
-    in_bytes = sum(array_bytes(table[o].shape) for o in core.operands if o in table)
+    in_bytes = sum(array_bytes(_operand_shape(table, r)) for r in core.refs or core.operands)
     out_shape = core.shape
     if core is i and i.opcode.endswith("-start") and done_pos < len(instrs):
         out_shape = instrs[done_pos].shape  # the done's result, not the start's tuple

@@ -2,6 +2,10 @@
 
 Reads each computation's instructions in order (for a scheduled module, the
 schedule): name, result shape, opcode, operand names and the raw attributes.
+
+Both operand spellings are read: ``get-tuple-element`` instructions (the
+modules jax 0.10 compiles) and ``%name#k``, element ``k`` of a tuple-valued
+operand (jax 0.12's, which have no get-tuple-elements).
 """
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import dataclasses
 import math
 import re
 
-__all__ = ["Instr", "parse_module", "array_bytes"]
+__all__ = ["Instr", "parse_module", "array_bytes", "tuple_element"]
 
 _DTYPE_BITS = {
     "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32, "u32": 32,
@@ -32,6 +36,15 @@ def array_bytes(shape: str) -> int:
     return total
 
 
+def tuple_element(shape: str, index: int) -> str:
+    """Element ``index`` of a tuple shape string (the shape itself when it is not a tuple)."""
+    shape = shape.strip()
+    if not shape.startswith("("):
+        return shape
+    parts = _split_top(shape[1 : _balanced(shape, 0) - 1])
+    return parts[index].strip() if 0 <= index < len(parts) else ""
+
+
 def _balanced(text: str, start: int) -> int:
     """Index just past the bracket group opening at ``text[start]``."""
     depth = 0
@@ -48,13 +61,18 @@ def _balanced(text: str, start: int) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Instr:
-    """One HLO instruction: result shape, opcode, operand names, raw attribute text."""
+    """One HLO instruction: result shape, opcode, operand names, raw attribute text.
+
+    ``operands`` are the producing instructions' names; ``refs`` the operands as
+    written, ``name#k`` for element ``k`` of a tuple-valued producer.
+    """
 
     name: str
     shape: str
     opcode: str
     operands: tuple[str, ...]
     attrs: str
+    refs: tuple[str, ...] = ()
 
     @property
     def called(self) -> tuple[str, ...]:
@@ -93,10 +111,11 @@ def _parse_instr(line: str) -> Instr | None:
         return None
     open_paren = m.end() - 1
     close = _balanced(rest, open_paren)
-    operands = tuple(
+    refs = tuple(
         tok.split()[-1].lstrip("%") for tok in _split_top(rest[open_paren + 1 : close - 1]) if tok.strip()
     )
-    return Instr(name=name, shape=shape, opcode=m.group(1), operands=operands, attrs=rest[close:])
+    operands = tuple(r.split("#", 1)[0] for r in refs)
+    return Instr(name=name, shape=shape, opcode=m.group(1), operands=operands, attrs=rest[close:], refs=refs)
 
 
 def _split_top(text: str) -> list[str]:
