@@ -15,20 +15,24 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_cp import kernels as _kernels
-from jax_cp._collectives import gather_ints, gather_seq, heads_to_seq, seq_to_heads
+from jax_cp._collectives import gather_seq, heads_to_seq, seq_to_heads
 from jax_cp._masks import normalize_window
 from jax_cp._mesh import COLOSSAL, CP, DP, TP, ULYSSES, MeshDims, lcm, mesh_dims, place
 
-__all__ = ["dot_product_attention", "attend_shard", "kv_head_replication", "LAYOUTS", "KV_EXCHANGES"]
+__all__ = ["dot_product_attention", "attend_shard", "seq_chunk", "kv_head_replication", "LAYOUTS", "KV_EXCHANGES"]
 
 LAYOUTS = ("BSHD", "BNSD")
-KV_EXCHANGES = ("all_gather", "ring")
+KV_EXCHANGES = ("all_gather", "all_to_all", "ring")
 
 X_SPEC = P(DP, CP, TP, None)  # [B, S, H, d]
-META_SPEC = P(DP, CP)  # [B, S] positions / segment ids
+# [B, S] positions / segment ids: replicated over the sequence axes. Each device slices
+# the parts it needs, so the layer runs no collective for metadata (ints, B*S*4 bytes,
+# gathered once outside the layer and shared by every layer of a model).
+META_SPEC = P(DP, None)
 
 
 def kv_head_replication(num_heads: int, num_kv_heads: int, dims: MeshDims) -> int:
@@ -91,36 +95,48 @@ def placed_metadata(positions, segment_ids, batch: int, seq_len: int, mesh):
     return [place(a, mesh, META_SPEC) for a in present], [META_SPEC] * len(present)
 
 
-def attend_shard(q_BSHd, k_BSKd, v_BSKd, pos_BS, seg_BS, *, kv_exchange="all_gather", kernel="auto", **mask):
+def seq_chunk(a_BS, axis_names: tuple[str, ...]):
+    """This device's contiguous piece of a full-sequence array, for the sequence split over ``axis_names``."""
+    if a_BS is None:
+        return None
+    n, idx = 1, 0
+    for name in axis_names:  # row-major over the named axes, like P(..., (cp_colossal, cp_ulysses))
+        size = lax.axis_size(name)
+        n, idx = n * size, idx * size + lax.axis_index(name)
+    if n == 1:
+        return a_BS
+    T = a_BS.shape[1] // n
+    return lax.dynamic_slice_in_dim(a_BS, idx * T, T, axis=1)
+
+
+def attend_shard(q_BSHd, k_BSKd, v_BSKd, pos_all, seg_all, *, kv_exchange="all_gather", kernel="auto", **mask):
     """Colossal K/V exchange and the local kernel, after the Ulysses all-to-all.
 
     Takes the device's contiguous colossal chunk ``[B, S/c, ...]`` of heads and
-    metadata; returns ``o [B, S/c, H_local, d]``.
+    the full-sequence metadata ``[B, S]``; returns ``o [B, S/c, H_local, d]``.
     """
     if kv_exchange not in KV_EXCHANGES:
         raise ValueError(f"kv_exchange={kv_exchange!r} must be one of {KV_EXCHANGES}.")
+    pos, seg = seq_chunk(pos_all, (COLOSSAL,)), seq_chunk(seg_all, (COLOSSAL,))
     if kv_exchange == "ring":
         if _kernels.check_kernel(kernel) not in ("auto", "blockwise"):
             raise ValueError(f"kernel={kernel!r} cannot run kv_exchange='ring', whose steps merge the blockwise "
                              "kernel's log-sum-exps; use kernel='auto' or 'blockwise' (or kv_exchange='all_gather').")
         from jax_cp._ring import ring_attention  # the ring builds on the kernels; imported where used
 
-        return ring_attention(q_BSHd, k_BSKd, v_BSKd, pos_BS, seg_BS, axis_name=COLOSSAL, **mask)
-    k_all = gather_seq(k_BSKd, COLOSSAL)
-    v_all = gather_seq(v_BSKd, COLOSSAL)
-    kv_pos = gather_ints(pos_BS, COLOSSAL)
-    kv_seg = None if seg_BS is None else gather_ints(seg_BS, COLOSSAL)
+        return ring_attention(q_BSHd, k_BSKd, v_BSKd, pos, seg, axis_name=COLOSSAL, **mask)
+    # K and V travel in one collective: fewer, larger exchanges leave more compute to hide
+    # each under (TPU runs one all-to-all at a time).
+    kv_all = gather_seq(jnp.stack([k_BSKd, v_BSKd], axis=2), COLOSSAL, kv_exchange)
     return _kernels.local_attention(
-        q_BSHd, k_all, v_all, kernel=kernel, q_positions=pos_BS, kv_positions=kv_pos,
-        q_segment_ids=seg_BS, kv_segment_ids=kv_seg, **mask,
+        q_BSHd, kv_all[:, :, 0], kv_all[:, :, 1], kernel=kernel, q_positions=pos, kv_positions=pos_all,
+        q_segment_ids=seg, kv_segment_ids=seg_all, **mask,
     )
 
 
-def _shard_fn(q, k, v, pos, seg=None, **kw):
+def _shard_fn(q, k, v, pos_all, seg_all=None, **kw):
     q, k, v = (seq_to_heads(a, ULYSSES) for a in (q, k, v))
-    pos = gather_ints(pos, ULYSSES)
-    seg = None if seg is None else gather_ints(seg, ULYSSES)
-    o = attend_shard(q, k, v, pos, seg, **kw)
+    o = attend_shard(q, k, v, pos_all, seg_all, **kw)
     return heads_to_seq(o, ULYSSES)
 
 

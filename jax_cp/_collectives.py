@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["seq_to_heads", "heads_to_seq", "gather_seq", "gather_ints"]
+__all__ = ["seq_to_heads", "heads_to_seq", "gather_seq", "gather_ints", "gather_meta"]
 
 
 def _axis_size(axis_name: str) -> int:
@@ -57,34 +57,64 @@ seq_to_heads.defvjp(_s2h_fwd, _s2h_bwd)
 heads_to_seq.defvjp(_h2s_fwd, _h2s_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1,))
-def gather_seq(x_BSHd: jax.Array, axis_name: str) -> jax.Array:
+GATHER_IMPLS = ("all_gather", "all_to_all")
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gather_seq(x_BSHd: jax.Array, axis_name: str, impl: str = "all_gather") -> jax.Array:
     """``[B, S/c, ...] -> [B, S, ...]``: all-gather along the sequence.
 
-    Backward: reduce-scatter of the cotangent, accumulated in float32.
+    ``impl="all_to_all"`` moves the same bytes as an all-to-all of ``c`` copies
+    of the local chunk: TPUs run all-to-all asynchronously under any compute
+    (with ``--xla_tpu_enable_async_all_to_all``), an all-gather only as v5e
+    collective fusion under matmuls. It holds the ``c`` copies as one more
+    gathered-size buffer.
+
+    Backward (both): the cotangent in float32, cut into ``c`` sequence blocks,
+    an all-to-all sends block ``i`` of every device to device ``i``, which sums
+    them. The same bytes as a reduce-scatter, but asynchronous on TPU, where
+    reduce-scatter is scheduled synchronously.
     """
-    if _axis_size(axis_name) == 1:
+    if impl not in GATHER_IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {GATHER_IMPLS}.")
+    c = _axis_size(axis_name)
+    if c == 1:
         return x_BSHd
-    return lax.all_gather(x_BSHd, axis_name, axis=1, tiled=True)
+    if impl == "all_gather":
+        return lax.all_gather(x_BSHd, axis_name, axis=1, tiled=True)
+    B, T = x_BSHd.shape[:2]
+    copies = jnp.broadcast_to(x_BSHd[:, None], (B, c, *x_BSHd.shape[1:]))
+    out = lax.all_to_all(copies, axis_name, 1, 1, tiled=True)  # [B, c (source), S/c, ...]
+    return out.reshape(B, c * T, *x_BSHd.shape[2:])
 
 
-def _gather_fwd(x, axis_name):
-    return gather_seq(x, axis_name), jnp.zeros((0,), x.dtype)
+def _gather_fwd(x, axis_name, impl):
+    return gather_seq(x, axis_name, impl), jnp.zeros((0,), x.dtype)
 
 
-def _gather_bwd(axis_name, dtype_carrier, g):
-    if _axis_size(axis_name) == 1:
+def _gather_bwd(axis_name, impl, dtype_carrier, g):
+    c = _axis_size(axis_name)
+    if c == 1:
         return (g,)
+    B, S = g.shape[:2]
     acc = jnp.promote_types(g.dtype, jnp.float32)
-    out = lax.psum_scatter(g.astype(acc), axis_name, scatter_dimension=1, tiled=True)
-    return (out.astype(dtype_carrier.dtype),)
+    blocks = g.astype(acc).reshape(B, c, S // c, *g.shape[2:])
+    blocks = lax.all_to_all(blocks, axis_name, 1, 1, tiled=True)  # block i of every device -> device i
+    return (blocks.sum(1).astype(dtype_carrier.dtype),)
 
 
 gather_seq.defvjp(_gather_fwd, _gather_bwd)
 
 
-def gather_ints(x_BS: jax.Array, axis_name: str) -> jax.Array:
-    """All-gather of integer metadata (positions, segment ids) along axis 1."""
-    if _axis_size(axis_name) == 1:
-        return x_BS
-    return lax.all_gather(x_BS, axis_name, axis=1, tiled=True)
+def gather_ints(x_BS: jax.Array, axis_name: str, impl: str = "all_gather") -> jax.Array:
+    """All-gather of integer metadata (positions, segment ids; ``[B, S/c, ...]``) along axis 1.
+
+    ``impl`` as in ``gather_seq``; no gradient.
+    """
+    return lax.stop_gradient(gather_seq(x_BS, axis_name, impl))
+
+
+def gather_meta(pos_BS: jax.Array, seg_BS: jax.Array | None, axis_name: str, impl: str = "all_gather"):
+    """Positions and (optional) segment ids gathered along the sequence in one collective."""
+    meta = gather_ints(jnp.stack([pos_BS] + ([] if seg_BS is None else [seg_BS]), axis=2), axis_name, impl)
+    return meta[:, :, 0], None if seg_BS is None else meta[:, :, 1]

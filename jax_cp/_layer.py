@@ -1,9 +1,9 @@
 """One context-parallel attention layer as a pure function of its parameters.
 
 Shared by the NNX and Linen modules. Per device, inside one ``jax.shard_map``:
-x -> q/k/v projections (tp-local weights), each chunk's all-to-all issued right
-after its matmul -> QK-norm, RoPE -> colossal K/V exchange + local kernel ->
-per-chunk inverse all-to-all + output projection -> psum over tp.
+x -> per head chunk: q/k/v projections (tp-local weights) with QK-norm and RoPE
+on the local tokens, each followed by its all-to-all -> colossal K/V exchange +
+local kernel -> inverse all-to-all + output projection -> psum over tp.
 Letters: B batch, S sequence, D model width, H query heads, K kv heads, d head dim.
 """
 from __future__ import annotations
@@ -18,12 +18,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_cp import kernels as _kernels
-from jax_cp._attention import KV_EXCHANGES, attend_shard, check_seq_batch, placed_metadata
+from jax_cp._attention import KV_EXCHANGES, attend_shard, check_seq_batch, placed_metadata, seq_chunk
 from jax_cp._checks import check_positive_fields
-from jax_cp._collectives import gather_ints
 from jax_cp._masks import normalize_window
-from jax_cp._mesh import AXES, CP, DP, TP, ULYSSES, MeshDims, lcm, mesh_dims, place
-from jax_cp._posenc import apply_rope, rms_norm
+from jax_cp._mesh import AXES, COLOSSAL, CP, DP, TP, ULYSSES, MeshDims, lcm, mesh_dims, place
 from jax_cp._projection import heads_to_model, project_to_heads
 
 X_SPEC = P(DP, CP, None)
@@ -148,8 +146,7 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, cfg: LayerConfig, layout
     bq = bk = bv = None
     if cfg.use_bias:
         bq, bk, bv = w["q_bias"], _local_kv(w["k_bias"], layout, 0), _local_kv(w["v_bias"], layout, 0)
-    pos = gather_ints(pos_BS, ULYSSES)
-    seg = None if seg_BS is None else gather_ints(seg_BS, ULYSSES)
+    pos_local = seq_chunk(pos_BS, (COLOSSAL, ULYSSES))  # this device's tokens, for RoPE before the exchange
     # One pipeline stage per head chunk: chunk i's collectives and attention are
     # independent of chunk i+1's matmuls, so XLA can hide one under the other.
     y = 0
@@ -157,16 +154,16 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, cfg: LayerConfig, layout
         _chunks(wq, n, 1), _chunks(wk, n, 1), _chunks(wv, n, 1),
         *(_chunks(b, n, 0) if b is not None else [None] * n for b in (bq, bk, bv)), _chunks(wo, n, 0),
     ):
-        q = project_to_heads(x, cq, cbq, ULYSSES, dtype)
-        k = project_to_heads(x, ck, cbk, ULYSSES, dtype)
-        v = project_to_heads(x, cv, cbv, ULYSSES, dtype)
-        if cfg.use_qk_norm:
-            q, k = rms_norm(q, params["q_norm"]), rms_norm(k, params["k_norm"])
-        if cfg.rope_theta is not None:
-            q, k = apply_rope(q, pos, cfg.rope_theta), apply_rope(k, pos, cfg.rope_theta)
-        o = attend_shard(q, k, v, pos, seg, kv_exchange=cfg.kv_exchange, kernel=cfg.kernel,
+        # QK-norm and RoPE run inside the projection blocks, on the local tokens, before the
+        # exchange; K and V share one all-to-all.
+        q = project_to_heads(x, (cq,), (cbq,), (w.get("q_norm"),), pos_local, ULYSSES, dtype, cfg.rope_theta,
+                             (True,))[:, :, 0]
+        kv = project_to_heads(x, (ck, cv), (cbk, cbv), (w.get("k_norm"), None), pos_local, ULYSSES, dtype,
+                              cfg.rope_theta, (True, False))
+        k, v = kv[:, :, 0], kv[:, :, 1]
+        o = attend_shard(q, k, v, pos_BS, seg_BS, kv_exchange=cfg.kv_exchange, kernel=cfg.kernel,
                          is_causal=cfg.is_causal, local_window_size=window, scale=scale)
-        y = y + heads_to_model(o, cwo, ULYSSES)
+        y = y + lax.optimization_barrier(heads_to_model(o, cwo, ULYSSES))
     y = lax.psum(y, TP)
     if cfg.use_bias:
         y = y + params["o_bias"][None, None]  # once, after the psum; in the parameter dtype

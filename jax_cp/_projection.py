@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp._collectives import _a2a
+from jax_cp._posenc import apply_rope, rms_norm
 
 __all__ = ["project_to_heads", "heads_to_model"]
 
@@ -31,27 +32,73 @@ def _proj(x_BSD, w_DHd, b_Hd, dtype):
     return y if b_Hd is None else y + b_Hd.astype(dtype)[None, None]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def project_to_heads(x_BSD, w_DHd, b_Hd, axis_name, dtype):
-    """``x [B, S/u, D] @ w [D, H, d] (+ b)`` in ``dtype``, then all-to-all to ``[B, S, H/u, d]``.
+def _per_token(y, norm_d, pos_BS, theta):
+    """QK-norm then RoPE: per token and head, so they run before the all-to-all on local tokens."""
+    if norm_d is not None:
+        y = rms_norm(y, norm_d)
+    if theta is not None:
+        y = apply_rope(y, pos_BS, theta)
+    return y
 
-    Weight gradients come back in the weights' own dtype (float32 parameters keep
-    float32 gradients through every later sum).
+
+def _stacked_to_heads(y_BSPHd, axis_name):  # [B, S/u, P, H, d] -> [B, S, P, H/u, d]
+    return _a2a(y_BSPHd, axis_name, 3, 1)
+
+
+def _stacked_to_seq(y_BSPHd, axis_name):  # the inverse
+    return _a2a(y_BSPHd, axis_name, 1, 3)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def project_to_heads(x_BSD, ws, bs, norms, pos_BS, axis_name, dtype, theta=None, rotate=None):
+    """``P`` projections of the same tokens sharing one all-to-all: ``[B, S/u, D] -> [B, S, P, H/u, d]``.
+
+    For each part ``i``: ``x @ ws[i] [D, H, d] (+ bs[i])`` in ``dtype``, then QK-norm
+    (scale ``norms[i]``) and RoPE (``theta``, where ``rotate[i]``, at the local
+    tokens' positions ``pos_BS``) when given. The parts are stacked on axis 2
+    and exchanged by one all-to-all (K and V travel together: on TPU only one
+    all-to-all is in flight at a time, so fewer, larger exchanges leave more
+    matmuls to hide each one under).
+
+    The per-token transforms run *before* the exchange, so nothing sits between
+    the exchange and the attention (or the colossal K/V exchange) that consumes
+    it. Weight gradients come back in the weights' own dtype (float32 parameters
+    keep float32 gradients through every later sum).
     """
-    return _seq_to_heads(_proj(x_BSD, w_DHd, b_Hd, dtype), axis_name)
+    return _stacked_to_heads(_parts(x_BSD, ws, bs, norms, pos_BS, dtype, theta, rotate)[1], axis_name)
 
 
-def _pth_fwd(x, w, b, axis_name, dtype):
-    return project_to_heads(x, w, b, axis_name, dtype), (x, w, b)
+def _parts(x, ws, bs, norms, pos, dtype, theta, rotate):
+    ys = [_proj(x, w, b, dtype) for w, b in zip(ws, bs)]
+    rotate = rotate or (False,) * len(ws)
+    outs = [_per_token(y, n, pos, theta if r else None) for y, n, r in zip(ys, norms, rotate)]
+    return ys, jnp.stack(outs, axis=2)
 
 
-def _pth_bwd(axis_name, dtype, res, g_BSHd):
-    x, w, b = res
-    g = _heads_to_seq(g_BSHd, axis_name)  # inverse all-to-all first, then its two matmuls
-    dx = jnp.einsum("bshe,dhe->bsd", g, w.astype(dtype), preferred_element_type=jnp.float32).astype(x.dtype)
-    dw = jnp.einsum("bsd,bshe->dhe", x.astype(dtype), g, preferred_element_type=jnp.float32).astype(w.dtype)
-    db = None if b is None else g.astype(jnp.float32).sum((0, 1)).astype(b.dtype)
-    return dx, dw, db
+def _pth_fwd(x, ws, bs, norms, pos, axis_name, dtype, theta, rotate):
+    ys, y = _parts(x, ws, bs, norms, pos, dtype, theta, rotate)
+    kept = tuple(y_ if n is not None else None for y_, n in zip(ys, norms))  # the norm's backward needs its input
+    return _stacked_to_heads(y, axis_name), (x, ws, bs, norms, pos, kept)
+
+
+def _pth_bwd(axis_name, dtype, theta, rotate, res, g_BSPHd):
+    x, ws, bs, norms, pos, kept = res
+    rotate = rotate or (False,) * len(ws)
+    g_all = _stacked_to_seq(g_BSPHd, axis_name)  # inverse all-to-all first, then the matmuls
+    dx, dws, dbs, dnorms = 0.0, [], [], []
+    for i, (w, b, n, y, r) in enumerate(zip(ws, bs, norms, kept, rotate)):
+        g, th = g_all[:, :, i], theta if r else None
+        dn = None
+        if n is not None:
+            _, vjp = jax.vjp(lambda y_, n_: _per_token(y_, n_, pos, th), y, n)
+            g, dn = vjp(g)
+        elif th is not None:
+            g = apply_rope(g, -pos, th)  # the rotation's transpose is the rotation by -angle
+        dx = dx + jnp.einsum("bshe,dhe->bsd", g, w.astype(dtype), preferred_element_type=jnp.float32)
+        dws.append(jnp.einsum("bsd,bshe->dhe", x.astype(dtype), g, preferred_element_type=jnp.float32).astype(w.dtype))
+        dbs.append(None if b is None else g.astype(jnp.float32).sum((0, 1)).astype(b.dtype))
+        dnorms.append(dn)
+    return dx.astype(x.dtype), tuple(dws), tuple(dbs), tuple(dnorms), None
 
 
 project_to_heads.defvjp(_pth_fwd, _pth_bwd)

@@ -18,20 +18,22 @@ KV = (8, 2, 1)  # kv-head ratios 1, 4 and MQA
 def _cases():
     """Every mesh x kv ratio; causal, layout and dtype cycle so each mesh sees each."""
     cycle = itertools.cycle(itertools.product((True, False), ("BSHD", "BNSD"), (jnp.float32, jnp.bfloat16)))
+    exchanges = itertools.cycle(("all_gather", "all_to_all"))  # the ring has its own tests (test_ring.py)
     for mesh in MESHES:
         for K in KV:
             causal, layout, dtype = next(cycle)
-            yield mesh, K, causal, layout, dtype
+            yield mesh, K, causal, layout, dtype, next(exchanges) if mesh[0] > 1 else "all_gather"
 
 
-@pytest.mark.parametrize("cut,K,causal,layout,dtype", list(_cases()))
-def test_matches_reference(cut, K, causal, layout, dtype):
+@pytest.mark.parametrize("cut,K,causal,layout,dtype,kv_exchange", list(_cases()))
+def test_matches_reference(cut, K, causal, layout, dtype, kv_exchange):
     c, u, t = cut
     mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
     q, k, v, ct = random_qkv(B, S, H, K, d, dtype, layout=layout)
-    f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=causal, layout=layout)
+    f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=causal, layout=layout,
+                                                     kv_exchange=kv_exchange)
     ref = lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=causal, layout=layout)
-    assert_matches(f, ref, (q, k, v), ct, dtype, f"{cut=} {K=} {causal=} {layout=}")
+    assert_matches(f, ref, (q, k, v), ct, dtype, f"{cut=} {K=} {causal=} {layout=} {kv_exchange=}")
 
 
 @pytest.mark.parametrize("causal,layout,dtype", list(itertools.product((True, False), ("BSHD", "BNSD"), (jnp.float32, jnp.bfloat16))))

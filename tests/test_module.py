@@ -47,20 +47,23 @@ def _cases():
         dict(use_qk_norm=True, use_bias=True),
     ])
     dtypes = itertools.cycle((jnp.float32, jnp.float32, jnp.bfloat16))
+    exchanges = itertools.cycle(("all_to_all", "all_gather"))
     for i, (c, u, t) in enumerate(MESHES):
         local = H // (t * u)
         chunks = (1, 2, local)[i % 3] if local % 2 == 0 or i % 3 != 1 else 1
-        yield (c, u, t), next(kv), chunks, next(extras), next(dtypes), bool(i % 2)
+        ex = next(exchanges) if c > 1 else "all_gather"
+        yield (c, u, t), next(kv), chunks, next(extras), next(dtypes), bool(i % 2), ex
 
 
-@pytest.mark.parametrize("cut,K,chunks,extra,dtype,causal", list(_cases()))
-def test_nnx_matches_reference(cut, K, chunks, extra, dtype, causal):
+@pytest.mark.parametrize("cut,K,chunks,extra,dtype,causal,kv_exchange", list(_cases()))
+def test_nnx_matches_reference(cut, K, chunks, extra, dtype, causal, kv_exchange):
     c, u, t = cut
     mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
     kw = dict(num_kv_heads=K, is_causal=causal, **extra)
-    cp = jax_cp.CPAttention(D, H, head_dim=d, mesh=mesh, overlap_chunks=chunks, dtype=dtype, rngs=nnx.Rngs(0), **kw)
+    cp = jax_cp.CPAttention(D, H, head_dim=d, mesh=mesh, overlap_chunks=chunks, dtype=dtype, rngs=nnx.Rngs(0),
+                            kv_exchange=kv_exchange, **kw)
     x = jax.random.normal(jax.random.key(1), (B, S, D), jnp.float32).astype(dtype)
-    compare_with_reference(cp, kw, x, dtype, f"{cut=} {K=} {chunks=} {extra}")
+    compare_with_reference(cp, kw, x, dtype, f"{cut=} {K=} {chunks=} {extra} {kv_exchange=}")
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 4])

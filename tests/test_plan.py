@@ -303,9 +303,11 @@ def test_report_memory_collectives_overlap(name):
         if name == "ulysses":  # no K/V exchange: nothing over cp_colossal
             assert all(c.axes == ("cp_ulysses",) for c in cp)
             assert ("all-to-all", ("cp_ulysses",)) in kinds_axes
-        if name == "all_gather":
-            assert not any(c.kind == "all-to-all" for c in a.schedule.collectives)
+        if name == "all_gather":  # forward: the gather only; backward: dK/dV blocks by all-to-all, no reduce-scatter
+            assert not any(c.kind == "all-to-all" for c in a.schedule.select("fwd"))
             assert ("all-gather", ("cp_colossal",)) in kinds_axes
+            assert {(c.kind, c.axes) for c in a.schedule.select("bwd")} == {("all-to-all", ("cp_colossal",))}
+        assert not any(c.kind == "reduce-scatter" for c in cp)
         if name == "hybrid":
             assert {("all-to-all", ("cp_ulysses",)), ("all-gather", ("cp_colossal",))} <= kinds_axes
         assert {c.phase for c in cp} == {"fwd", "bwd"}

@@ -69,7 +69,7 @@ def test_ring_errors():
     q, k, v, _ = random_qkv(B, S, H, 2, d)
     with pytest.raises(ValueError, match=r"kernel='splash' cannot run kv_exchange='ring'.*use kernel='auto'"):
         jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="ring", kernel="splash")
-    with pytest.raises(ValueError, match=r"kv_exchange='tree' must be one of \('all_gather', 'ring'\)"):
+    with pytest.raises(ValueError, match=r"kv_exchange='tree' must be one of \('all_gather', 'all_to_all', 'ring'\)"):
         jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="tree")
 
 

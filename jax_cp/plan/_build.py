@@ -22,7 +22,7 @@ from jax_cp._mesh import CP, DP, TP, ULYSSES, lcm, mesh_dims
 __all__ = ["LayerShape", "cp_layer", "naive_layer"]
 
 X_SPEC = P(DP, CP, None)
-META_SPEC = P(DP, CP)
+META_SPEC = P(DP, None)  # as the library: full-sequence metadata, sliced per device
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,7 +100,7 @@ def cp_layer(shape: LayerShape, mesh):
 def naive_layer(shape: LayerShape, mesh):
     """The baseline: ``x @ [Wq|Wk|Wv]`` in one matmul, then every collective after it."""
     from jax_cp._attention import attend_shard
-    from jax_cp._collectives import gather_ints, heads_to_seq, seq_to_heads
+    from jax_cp._collectives import heads_to_seq, seq_to_heads
 
     dims = mesh_dims(mesh)
     H, d, D, t = shape.num_heads, shape.head_dim, shape.d_model, dims.t
@@ -115,8 +115,7 @@ def naive_layer(shape: LayerShape, mesh):
         y = jnp.einsum("bsd,dte->bse", x_BSD.astype(dt), w_qkv.astype(dt))
         q, k, v = jnp.split(y, [hq * d, (hq + hk) * d], axis=-1)
         q, k, v = (seq_to_heads(a.reshape(B, s, -1, d), ULYSSES) for a in (q, k, v))
-        pos = gather_ints(pos_BS, ULYSSES)
-        o = attend_shard(q, k, v, pos, None, kernel=shape.kernel, kv_exchange=shape.kv_exchange,
+        o = attend_shard(q, k, v, pos_BS, None, kernel=shape.kernel, kv_exchange=shape.kv_exchange,
                          is_causal=shape.is_causal)
         o = heads_to_seq(o, ULYSSES).reshape(B, s, hq * d)
         return lax.psum(jnp.einsum("bse,ted->bsd", o, w_o.astype(dt)), TP)
