@@ -26,7 +26,6 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
 
 import jax_cp  # noqa: E402
 from jax_cp import plan  # noqa: E402

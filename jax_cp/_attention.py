@@ -3,7 +3,8 @@
 Per device (inside one ``jax.shard_map``), with c=|cp_colossal|, u=|cp_ulysses|, t=|tp|:
 
     q, k, v [B, S/(c*u), H/t, d]  --all-to-all over cp_ulysses-->  [B, S/c, H/(t*u), d]
-    k, v  --all-gather over cp_colossal-->  [B, S, K/(t*u), d]
+    k, v  --all-gather (or ring) over cp_colossal-->  [B, S, K/(t*u), d]
+    (kv_exchange="all_to_all": k, v reach [B, S, K/(t*u), d] in one all-to-all over both CP axes)
     local kernel on global positions   -->  o [B, S/c, H/(t*u), d]
     o  --inverse all-to-all-->  [B, S/(c*u), H/t, d]
 
@@ -19,11 +20,14 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_cp import kernels as _kernels
-from jax_cp._collectives import gather_seq, heads_to_seq, seq_to_heads
+from jax_cp._collectives import gather_seq, heads_to_seq, seq_to_heads, spread_kv
 from jax_cp._masks import normalize_window
 from jax_cp._mesh import COLOSSAL, CP, DP, TP, ULYSSES, MeshDims, lcm, mesh_dims, place
 
-__all__ = ["dot_product_attention", "attend_shard", "seq_chunk", "kv_head_replication", "LAYOUTS", "KV_EXCHANGES"]
+__all__ = [
+    "dot_product_attention", "attend_shard", "attend_gathered", "opaque_metadata", "seq_chunk", "kv_head_replication",
+    "LAYOUTS", "KV_EXCHANGES",
+]
 
 LAYOUTS = ("BSHD", "BNSD")
 KV_EXCHANGES = ("all_gather", "all_to_all", "ring")
@@ -109,6 +113,17 @@ def seq_chunk(a_BS, axis_names: tuple[str, ...]):
     return lax.dynamic_slice_in_dim(a_BS, idx * T, T, axis=1)
 
 
+def opaque_metadata(pos_BS, seg_BS):
+    """Metadata as the shard function receives it, hidden from constant folding.
+
+    Default positions are an ``arange``; folded into the kernel's per-block
+    bounds they become a reduce over an iota that libtpu 0.0.52 aborts on while
+    splitting it over a v5p chip's two TensorCores (``MegacoreTransformWindow``
+    check failure). An optimization barrier keeps them an input.
+    """
+    return lax.optimization_barrier((pos_BS, seg_BS))
+
+
 def attend_shard(q_BSHd, k_BSKd, v_BSKd, pos_all, seg_all, *, kv_exchange="all_gather", kernel="auto", **mask):
     """Colossal K/V exchange and the local kernel, after the Ulysses all-to-all.
 
@@ -117,26 +132,37 @@ def attend_shard(q_BSHd, k_BSKd, v_BSKd, pos_all, seg_all, *, kv_exchange="all_g
     """
     if kv_exchange not in KV_EXCHANGES:
         raise ValueError(f"kv_exchange={kv_exchange!r} must be one of {KV_EXCHANGES}.")
-    pos, seg = seq_chunk(pos_all, (COLOSSAL,)), seq_chunk(seg_all, (COLOSSAL,))
     if kv_exchange == "ring":
         if _kernels.check_kernel(kernel) not in ("auto", "blockwise"):
             raise ValueError(f"kernel={kernel!r} cannot run kv_exchange='ring', whose steps merge the blockwise "
                              "kernel's log-sum-exps; use kernel='auto' or 'blockwise' (or kv_exchange='all_gather').")
         from jax_cp._ring import ring_attention  # the ring builds on the kernels; imported where used
 
+        pos, seg = seq_chunk(pos_all, (COLOSSAL,)), seq_chunk(seg_all, (COLOSSAL,))
         return ring_attention(q_BSHd, k_BSKd, v_BSKd, pos, seg, axis_name=COLOSSAL, **mask)
     # K and V travel in one collective: fewer, larger exchanges leave more compute to hide
     # each under (TPU runs one all-to-all at a time).
     kv_all = gather_seq(jnp.stack([k_BSKd, v_BSKd], axis=2), COLOSSAL, kv_exchange)
+    return attend_gathered(q_BSHd, kv_all, pos_all, seg_all, kernel=kernel, **mask)
+
+
+def attend_gathered(q_BSHd, kv_BS2Kd, pos_all, seg_all, *, kernel="auto", **mask):
+    """The local kernel on the colossal chunk of queries and every token's K and V (stacked on axis 2)."""
+    pos, seg = seq_chunk(pos_all, (COLOSSAL,)), seq_chunk(seg_all, (COLOSSAL,))
     return _kernels.local_attention(
-        q_BSHd, kv_all[:, :, 0], kv_all[:, :, 1], kernel=kernel, q_positions=pos, kv_positions=pos_all,
+        q_BSHd, kv_BS2Kd[:, :, 0], kv_BS2Kd[:, :, 1], kernel=kernel, q_positions=pos, kv_positions=pos_all,
         q_segment_ids=seg, kv_segment_ids=seg_all, **mask,
     )
 
 
-def _shard_fn(q, k, v, pos_all, seg_all=None, **kw):
-    q, k, v = (seq_to_heads(a, ULYSSES) for a in (q, k, v))
-    o = attend_shard(q, k, v, pos_all, seg_all, **kw)
+def _shard_fn(q, k, v, pos_all, seg_all=None, *, kv_exchange, **kw):
+    pos_all, seg_all = opaque_metadata(pos_all, seg_all)
+    q = seq_to_heads(q, ULYSSES)
+    if kv_exchange == "all_to_all":  # K and V reach their devices in one all-to-all over both CP axes
+        o = attend_gathered(q, spread_kv(jnp.stack([k, v], axis=2), COLOSSAL, ULYSSES), pos_all, seg_all, **kw)
+    else:
+        k, v = seq_to_heads(k, ULYSSES), seq_to_heads(v, ULYSSES)
+        o = attend_shard(q, k, v, pos_all, seg_all, kv_exchange=kv_exchange, **kw)
     return heads_to_seq(o, ULYSSES)
 
 
@@ -154,6 +180,9 @@ def dot_product_attention(
     both are > 1. ``layout`` is ``"BSHD"`` or ``"BNSD"``. ``positions`` and
     ``segment_ids`` (``[S]`` or ``[B, S]`` ints) give the global position and
     document of each token in the order given; masks come from them.
+    ``kv_exchange`` moves K/V over ``cp_colossal``: ``"all_gather"``,
+    ``"all_to_all"`` (with the Ulysses exchange, one all-to-all over both CP
+    axes; asynchronous on every TPU generation) or ``"ring"`` (O(S/c) memory).
     """
     dims = mesh_dims(mesh)
     if layout not in LAYOUTS:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["seq_to_heads", "heads_to_seq", "gather_seq", "gather_ints", "gather_meta"]
+__all__ = ["seq_to_heads", "heads_to_seq", "gather_seq", "spread_kv"]
 
 
 def _axis_size(axis_name: str) -> int:
@@ -106,15 +106,45 @@ def _gather_bwd(axis_name, impl, dtype_carrier, g):
 gather_seq.defvjp(_gather_fwd, _gather_bwd)
 
 
-def gather_ints(x_BS: jax.Array, axis_name: str, impl: str = "all_gather") -> jax.Array:
-    """All-gather of integer metadata (positions, segment ids; ``[B, S/c, ...]``) along axis 1.
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def spread_kv(x_BTPHd: jax.Array, colossal: str, ulysses: str) -> jax.Array:
+    """``[B, S/(c*u), P, H, d] -> [B, S, P, H/u, d]`` in one all-to-all over both CP axes.
 
-    ``impl`` as in ``gather_seq``; no gradient.
+    What the Ulysses all-to-all followed by the colossal all-gather deliver
+    (every token, this device's ``cp_ulysses`` head group), in one collective:
+    each device sends its tokens' head group ``j`` to every device whose
+    ``cp_ulysses`` rank is ``j``. The bytes on the wire equal those of the two
+    steps; TPUs run one all-to-all at a time, so one exchange instead of two
+    leaves more compute to hide each under. ``P`` stacks K and V.
+
+    Backward: the cotangent in float32 goes back by the inverse all-to-all and
+    the ``c`` copies of each block are summed.
     """
-    return lax.stop_gradient(gather_seq(x_BS, axis_name, impl))
+    c, u = _axis_size(colossal), _axis_size(ulysses)
+    if c * u == 1:
+        return x_BTPHd
+    B, T, Pp, H, d = x_BTPHd.shape
+    y = x_BTPHd.reshape(B, T, Pp, u, H // u, d).transpose(0, 1, 3, 2, 4, 5)  # [B, T, u, P, H/u, d]
+    y = jnp.broadcast_to(y[:, :, None], (B, T, c, u, Pp, H // u, d)).reshape(B, T, c * u, Pp, H // u, d)
+    y = lax.all_to_all(y, (colossal, ulysses), 2, 1, tiled=True)  # [B, S, 1, P, H/u, d]: sources in mesh order
+    return y.reshape(B, c * u * T, Pp, H // u, d)
 
 
-def gather_meta(pos_BS: jax.Array, seg_BS: jax.Array | None, axis_name: str, impl: str = "all_gather"):
-    """Positions and (optional) segment ids gathered along the sequence in one collective."""
-    meta = gather_ints(jnp.stack([pos_BS] + ([] if seg_BS is None else [seg_BS]), axis=2), axis_name, impl)
-    return meta[:, :, 0], None if seg_BS is None else meta[:, :, 1]
+def _spread_fwd(x, colossal, ulysses):
+    return spread_kv(x, colossal, ulysses), jnp.zeros((0,), x.dtype)
+
+
+def _spread_bwd(colossal, ulysses, dtype_carrier, g_BSPhd):
+    c, u = _axis_size(colossal), _axis_size(ulysses)
+    if c * u == 1:
+        return (g_BSPhd,)
+    B, S, Pp, h, d = g_BSPhd.shape
+    acc = jnp.promote_types(g_BSPhd.dtype, jnp.float32)
+    g = g_BSPhd.astype(acc).reshape(B, S, 1, Pp, h, d)
+    g = lax.all_to_all(g, (colossal, ulysses), 1, 2, tiled=True)  # [B, T, c*u, P, h, d]: block of every device
+    g = g.reshape(B, S // (c * u), c, u, Pp, h, d).sum(2)  # the c copies of each head group
+    g = g.transpose(0, 1, 3, 2, 4, 5).reshape(B, S // (c * u), Pp, u * h, d)
+    return (g.astype(dtype_carrier.dtype),)
+
+
+spread_kv.defvjp(_spread_fwd, _spread_bwd)

@@ -18,11 +18,14 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_cp import kernels as _kernels
-from jax_cp._attention import KV_EXCHANGES, attend_shard, check_seq_batch, placed_metadata, seq_chunk
+from jax_cp._attention import (
+    KV_EXCHANGES, attend_gathered, attend_shard, check_seq_batch, opaque_metadata, placed_metadata, seq_chunk,
+)
 from jax_cp._checks import check_positive_fields
 from jax_cp._masks import normalize_window
 from jax_cp._mesh import AXES, COLOSSAL, CP, DP, TP, ULYSSES, MeshDims, lcm, mesh_dims, place
-from jax_cp._projection import heads_to_model, project_to_heads
+from jax_cp._collectives import spread_kv
+from jax_cp._projection import exchange_heads, heads_to_model, project_parts, project_to_heads
 
 X_SPEC = P(DP, CP, None)
 
@@ -146,6 +149,7 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, cfg: LayerConfig, layout
     bq = bk = bv = None
     if cfg.use_bias:
         bq, bk, bv = w["q_bias"], _local_kv(w["k_bias"], layout, 0), _local_kv(w["v_bias"], layout, 0)
+    pos_BS, seg_BS = opaque_metadata(pos_BS, seg_BS)
     pos_local = seq_chunk(pos_BS, (COLOSSAL, ULYSSES))  # this device's tokens, for RoPE before the exchange
     # One pipeline stage per head chunk: chunk i's collectives and attention are
     # independent of chunk i+1's matmuls, so XLA can hide one under the other.
@@ -158,11 +162,15 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, cfg: LayerConfig, layout
         # exchange; K and V share one all-to-all.
         q = project_to_heads(x, (cq,), (cbq,), (w.get("q_norm"),), pos_local, ULYSSES, dtype, cfg.rope_theta,
                              (True,))[:, :, 0]
-        kv = project_to_heads(x, (ck, cv), (cbk, cbv), (w.get("k_norm"), None), pos_local, ULYSSES, dtype,
-                              cfg.rope_theta, (True, False))
-        k, v = kv[:, :, 0], kv[:, :, 1]
-        o = attend_shard(q, k, v, pos_BS, seg_BS, kv_exchange=cfg.kv_exchange, kernel=cfg.kernel,
-                         is_causal=cfg.is_causal, local_window_size=window, scale=scale)
+        kv = project_parts(x, (ck, cv), (cbk, cbv), (w.get("k_norm"), None), pos_local, dtype, cfg.rope_theta,
+                           (True, False))
+        if cfg.kv_exchange == "all_to_all":  # one all-to-all over both CP axes brings every token's K/V
+            o = attend_gathered(q, spread_kv(kv, COLOSSAL, ULYSSES), pos_BS, seg_BS, kernel=cfg.kernel,
+                                is_causal=cfg.is_causal, local_window_size=window, scale=scale)
+        else:
+            kv = exchange_heads(kv, ULYSSES)
+            o = attend_shard(q, kv[:, :, 0], kv[:, :, 1], pos_BS, seg_BS, kv_exchange=cfg.kv_exchange,
+                             kernel=cfg.kernel, is_causal=cfg.is_causal, local_window_size=window, scale=scale)
         y = y + lax.optimization_barrier(heads_to_model(o, cwo, ULYSSES))
     y = lax.psum(y, TP)
     if cfg.use_bias:

@@ -30,10 +30,12 @@ class CPAttention(nnx.Module):
     or any sharding: it is resharded); returns ``y [B, S, D]`` sharded the same way.
     Parameters are created already sharded (q/k/v kernels split over ``tp`` by
     heads, the output kernel by rows) and carry ``out_sharding`` metadata, so
-    ``nnx.get_partition_spec`` gives their layout. ``overlap_chunks=n`` splits the
-    projections into ``n`` head groups so chunk i's all-to-all runs under chunk
-    i+1's matmul. ``kernel`` picks the local attention kernel, ``kv_exchange``
-    the colossal K/V exchange.
+    ``nnx.get_partition_spec`` gives their layout. ``overlap_chunks=n`` runs the
+    layer in ``n`` head groups (projections, exchanges, attention, output
+    projection) so chunk i's collectives run under chunk i±1's matmuls and
+    attention. ``kernel`` picks the local attention kernel, ``kv_exchange`` the
+    colossal K/V exchange: ``"all_gather"``, ``"all_to_all"`` (the same gather as
+    an all-to-all, asynchronous on every TPU generation) or ``"ring"``.
     """
 
     def __init__(self, in_features: int, num_heads: int, *, num_kv_heads: int | None = None,

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax_cp._collectives import _a2a
 from jax_cp._posenc import apply_rope, rms_norm
 
-__all__ = ["project_to_heads", "heads_to_model"]
+__all__ = ["project_to_heads", "project_parts", "exchange_heads", "heads_to_model"]
 
 
 def _seq_to_heads(y, axis_name):
@@ -49,23 +49,40 @@ def _stacked_to_seq(y_BSPHd, axis_name):  # the inverse
     return _a2a(y_BSPHd, axis_name, 1, 3)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def project_to_heads(x_BSD, ws, bs, norms, pos_BS, axis_name, dtype, theta=None, rotate=None):
     """``P`` projections of the same tokens sharing one all-to-all: ``[B, S/u, D] -> [B, S, P, H/u, d]``.
 
+    ``project_parts`` (the matmuls, QK-norm and RoPE on the local tokens) then
+    ``exchange_heads`` (one all-to-all for all ``P`` parts: K and V travel
+    together; on TPU only one all-to-all is in flight at a time, so fewer,
+    larger exchanges leave more matmuls to hide each one under).
+    """
+    return exchange_heads(project_parts(x_BSD, ws, bs, norms, pos_BS, dtype, theta, rotate), axis_name)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def exchange_heads(y_BSPHd, axis_name):
+    """All-to-all ``[B, S/u, P, H, d] -> [B, S, P, H/u, d]``; backward: the inverse all-to-all."""
+    return _stacked_to_heads(y_BSPHd, axis_name)
+
+
+exchange_heads.defvjp(lambda y, axis_name: (exchange_heads(y, axis_name), None),
+                      lambda axis_name, _, g: (_stacked_to_seq(g, axis_name),))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def project_parts(x_BSD, ws, bs, norms, pos_BS, dtype, theta=None, rotate=None):
+    """``P`` projections of the local tokens, stacked on axis 2: ``[B, S/u, D] -> [B, S/u, P, H, d]``.
+
     For each part ``i``: ``x @ ws[i] [D, H, d] (+ bs[i])`` in ``dtype``, then QK-norm
     (scale ``norms[i]``) and RoPE (``theta``, where ``rotate[i]``, at the local
-    tokens' positions ``pos_BS``) when given. The parts are stacked on axis 2
-    and exchanged by one all-to-all (K and V travel together: on TPU only one
-    all-to-all is in flight at a time, so fewer, larger exchanges leave more
-    matmuls to hide each one under).
-
-    The per-token transforms run *before* the exchange, so nothing sits between
-    the exchange and the attention (or the colossal K/V exchange) that consumes
-    it. Weight gradients come back in the weights' own dtype (float32 parameters
-    keep float32 gradients through every later sum).
+    tokens' positions ``pos_BS``) when given. The per-token transforms run
+    here, *before* the exchange, so nothing sits between the exchange and the
+    attention (or the colossal K/V exchange) that consumes it. Weight
+    gradients come back in the weights' own dtype (float32 parameters keep
+    float32 gradients through every later sum).
     """
-    return _stacked_to_heads(_parts(x_BSD, ws, bs, norms, pos_BS, dtype, theta, rotate)[1], axis_name)
+    return _parts(x_BSD, ws, bs, norms, pos_BS, dtype, theta, rotate)[1]
 
 
 def _parts(x, ws, bs, norms, pos, dtype, theta, rotate):
@@ -75,19 +92,18 @@ def _parts(x, ws, bs, norms, pos, dtype, theta, rotate):
     return ys, jnp.stack(outs, axis=2)
 
 
-def _pth_fwd(x, ws, bs, norms, pos, axis_name, dtype, theta, rotate):
+def _pp_fwd(x, ws, bs, norms, pos, dtype, theta, rotate):
     ys, y = _parts(x, ws, bs, norms, pos, dtype, theta, rotate)
     kept = tuple(y_ if n is not None else None for y_, n in zip(ys, norms))  # the norm's backward needs its input
-    return _stacked_to_heads(y, axis_name), (x, ws, bs, norms, pos, kept)
+    return y, (x, ws, bs, norms, pos, kept)
 
 
-def _pth_bwd(axis_name, dtype, theta, rotate, res, g_BSPHd):
+def _pp_bwd(dtype, theta, rotate, res, g_BSPHd):
     x, ws, bs, norms, pos, kept = res
     rotate = rotate or (False,) * len(ws)
-    g_all = _stacked_to_seq(g_BSPHd, axis_name)  # inverse all-to-all first, then the matmuls
     dx, dws, dbs, dnorms = 0.0, [], [], []
     for i, (w, b, n, y, r) in enumerate(zip(ws, bs, norms, kept, rotate)):
-        g, th = g_all[:, :, i], theta if r else None
+        g, th = g_BSPHd[:, :, i], theta if r else None
         dn = None
         if n is not None:
             _, vjp = jax.vjp(lambda y_, n_: _per_token(y_, n_, pos, th), y, n)
@@ -101,7 +117,7 @@ def _pth_bwd(axis_name, dtype, theta, rotate, res, g_BSPHd):
     return dx.astype(x.dtype), tuple(dws), tuple(dbs), tuple(dnorms), None
 
 
-project_to_heads.defvjp(_pth_fwd, _pth_bwd)
+project_parts.defvjp(_pp_fwd, _pp_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -250,6 +250,7 @@ def test_recommended_flags():
     assert "--xla_tpu_enable_async_all_to_all=true" in tpu
     fusion = "--xla_tpu_enable_async_collective_fusion=true"  # libtpu refuses it on chips other than v5e
     assert fusion not in tpu and fusion in plan.recommended_xla_flags("tpu", chip="v5e")
+    assert "--xla_tpu_enable_all_experimental_scheduler_features=true" in plan.recommended_xla_flags("tpu", chip="v5p")
     assert plan.compiler_options(("--a=true", "--b=FALSE", "--c=12", "--d=x")) == dict(a=True, b=False, c=12, d="x")
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in plan.recommended_xla_flags("gpu")
     env = {"LIBTPU_INIT_ARGS": "--xla_tpu_enable_async_all_to_all=false --my_flag=1"}
@@ -320,6 +321,18 @@ def test_report_memory_collectives_overlap(name):
     for needle in ("memory: total (peak)", "overlap fraction fwd", "overlap fraction bwd", "ESTIMATED step time",
                    "naive fused QKV", "cp_ulysses" if name != "all_gather" else "cp_colossal"):
         assert needle in text
+
+
+def test_all_to_all_exchange_is_all_async_on_tpu():
+    """kv_exchange='all_to_all' on a hybrid mesh: every CP collective of the layer, forward and
+    backward, is an asynchronous all-to-all in the TPU schedule (no all-gather, no reduce-scatter);
+    K/V cross both CP axes in one all-to-all, Q and the output over cp_ulysses."""
+    r = plan.analyze(cp_colossal=2, cp_ulysses=2, tp=2, kv_exchange="all_to_all", baseline=False, **SMALL)
+    cp = r.analysis.schedule.select()
+    both = ("cp_colossal", "cp_ulysses")
+    assert {(c.kind, c.axes) for c in cp} == {("all-to-all", both), ("all-to-all", ("cp_ulysses",))}
+    assert all(c.is_async for c in cp)
+    assert {c.phase for c in cp if c.axes == both} == {"fwd", "bwd"}
 
 
 @pytest.mark.parametrize("kwargs, match", [

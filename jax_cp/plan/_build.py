@@ -99,7 +99,7 @@ def cp_layer(shape: LayerShape, mesh):
 
 def naive_layer(shape: LayerShape, mesh):
     """The baseline: ``x @ [Wq|Wk|Wv]`` in one matmul, then every collective after it."""
-    from jax_cp._attention import attend_shard
+    from jax_cp._attention import attend_shard, opaque_metadata
     from jax_cp._collectives import heads_to_seq, seq_to_heads
 
     dims = mesh_dims(mesh)
@@ -115,6 +115,7 @@ def naive_layer(shape: LayerShape, mesh):
         y = jnp.einsum("bsd,dte->bse", x_BSD.astype(dt), w_qkv.astype(dt))
         q, k, v = jnp.split(y, [hq * d, (hq + hk) * d], axis=-1)
         q, k, v = (seq_to_heads(a.reshape(B, s, -1, d), ULYSSES) for a in (q, k, v))
+        pos_BS, _ = opaque_metadata(pos_BS, None)
         o = attend_shard(q, k, v, pos_BS, None, kernel=shape.kernel, kv_exchange=shape.kv_exchange,
                          is_causal=shape.is_causal)
         o = heads_to_seq(o, ULYSSES).reshape(B, s, hq * d)

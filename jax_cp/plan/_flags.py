@@ -33,6 +33,13 @@ _TPU_V5E_FLAGS = (
     "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
     "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
 )
+# v5p (libtpu 0.0.52): with the default scheduler features, XLA front-loads the projections and
+# leaves half the all-to-alls with nothing inside; measured with the layer (benchmarks/RESULTS.md),
+# this one switch hides them (e.g. Ulysses (1,4,4) chunks=2: 0.50 / 0.25 -> 0.88 / 0.88 forward /
+# backward). On v5e it changed no schedule we compiled, so it stays v5p-only.
+_TPU_V5P_FLAGS = (
+    "--xla_tpu_enable_all_experimental_scheduler_features=true",
+)
 
 _GPU_FLAGS = (
     # The scheduler that moves collective starts early and dones late, around compute.
@@ -59,14 +66,15 @@ def recommended_xla_flags(platform: str = "tpu", *, chip: str | None = None) -> 
     On TPU they make all-to-all, all-gather, reduce-scatter, all-reduce and
     collective-permute asynchronous so XLA's latency-hiding scheduler can place
     matmuls between start and done; ``chip="v5e"`` adds async collective
-    fusion, which libtpu supports on v5e only (``chip=None``: the flags safe on
+    fusion, which libtpu supports on v5e only, ``chip="v5p"`` the scheduler
+    features that hide all-to-alls there (``chip=None``: the flags safe on
     every generation). On GPU they enable that scheduler and pipelining of
     collectives across layers. All names were checked against jaxlib 0.10.2 /
     libtpu 0.0.52; unknown flags make XLA abort at start-up.
     """
     if _check_platform(platform) == "gpu":
         return _GPU_FLAGS
-    return _TPU_FLAGS + (_TPU_V5E_FLAGS if chip == "v5e" else ())
+    return _TPU_FLAGS + {"v5e": _TPU_V5E_FLAGS, "v5p": _TPU_V5P_FLAGS}.get(chip, ())
 
 
 def compiler_options(flags: tuple[str, ...]) -> dict[str, bool | int | str]:
