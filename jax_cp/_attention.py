@@ -20,7 +20,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_cp import kernels as _kernels
-from jax_cp._collectives import gather_seq, heads_to_seq, seq_to_heads, spread_kv
+from jax_cp._collectives import gather_seq, heads_to_seq, spread_kv
+from jax_cp._projection import exchange_heads
 from jax_cp._masks import normalize_window
 from jax_cp._mesh import COLOSSAL, CP, DP, TP, ULYSSES, MeshDims, lcm, mesh_dims, place
 
@@ -157,11 +158,11 @@ def attend_gathered(q_BSHd, kv_BS2Kd, pos_all, seg_all, *, kernel="auto", **mask
 
 def _shard_fn(q, k, v, pos_all, seg_all=None, *, kv_exchange, **kw):
     pos_all, seg_all = opaque_metadata(pos_all, seg_all)
-    q = seq_to_heads(q, ULYSSES)
-    if kv_exchange == "all_to_all":  # K and V reach their devices in one all-to-all over both CP axes
+    (q,) = exchange_heads((q,), ULYSSES)
+    if kv_exchange == "all_to_all" and lax.axis_size(COLOSSAL) > 1:  # K/V: one all-to-all over both CP axes
         o = attend_gathered(q, spread_kv(jnp.stack([k, v], axis=2), COLOSSAL, ULYSSES), pos_all, seg_all, **kw)
-    else:
-        k, v = seq_to_heads(k, ULYSSES), seq_to_heads(v, ULYSSES)
+    else:  # K and V cross cp_ulysses in one all-to-all, then the colossal exchange
+        k, v = exchange_heads((k, v), ULYSSES)
         o = attend_shard(q, k, v, pos_all, seg_all, kv_exchange=kv_exchange, **kw)
     return heads_to_seq(o, ULYSSES)
 

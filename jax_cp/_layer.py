@@ -25,7 +25,7 @@ from jax_cp._checks import check_positive_fields
 from jax_cp._masks import normalize_window
 from jax_cp._mesh import AXES, COLOSSAL, CP, DP, TP, ULYSSES, MeshDims, lcm, mesh_dims, place
 from jax_cp._collectives import spread_kv
-from jax_cp._projection import exchange_heads, heads_to_model, project_parts, project_to_heads
+from jax_cp._projection import exchange_heads, heads_to_model, project_parts
 
 X_SPEC = P(DP, CP, None)
 
@@ -158,19 +158,19 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, cfg: LayerConfig, layout
         _chunks(wq, n, 1), _chunks(wk, n, 1), _chunks(wv, n, 1),
         *(_chunks(b, n, 0) if b is not None else [None] * n for b in (bq, bk, bv)), _chunks(wo, n, 0),
     ):
-        # QK-norm and RoPE run inside the projection blocks, on the local tokens, before the
-        # exchange; K and V share one all-to-all.
-        q = project_to_heads(x, (cq,), (cbq,), (w.get("q_norm"),), pos_local, ULYSSES, dtype, cfg.rope_theta,
-                             (True,))[:, :, 0]
+        # Projections with QK-norm and RoPE on the local tokens, before any exchange; Q crosses
+        # cp_ulysses in its own all-to-all (merging it with K/V measured worse on TPU).
+        (q,) = exchange_heads(project_parts(x, (cq,), (cbq,), (w.get("q_norm"),), pos_local, dtype,
+                                            cfg.rope_theta, (True,)), ULYSSES)
         kv = project_parts(x, (ck, cv), (cbk, cbv), (w.get("k_norm"), None), pos_local, dtype, cfg.rope_theta,
                            (True, False))
-        if cfg.kv_exchange == "all_to_all":  # one all-to-all over both CP axes brings every token's K/V
-            o = attend_gathered(q, spread_kv(kv, COLOSSAL, ULYSSES), pos_BS, seg_BS, kernel=cfg.kernel,
-                                is_causal=cfg.is_causal, local_window_size=window, scale=scale)
-        else:
-            kv = exchange_heads(kv, ULYSSES)
-            o = attend_shard(q, kv[:, :, 0], kv[:, :, 1], pos_BS, seg_BS, kv_exchange=cfg.kv_exchange,
-                             kernel=cfg.kernel, is_causal=cfg.is_causal, local_window_size=window, scale=scale)
+        if cfg.kv_exchange == "all_to_all" and layout.dims.c > 1:  # one all-to-all over both CP axes
+            o = attend_gathered(q, spread_kv(jnp.stack(kv, axis=2), COLOSSAL, ULYSSES), pos_BS, seg_BS,
+                                kernel=cfg.kernel, is_causal=cfg.is_causal, local_window_size=window, scale=scale)
+        else:  # K and V cross cp_ulysses in one all-to-all, then the colossal exchange
+            k, v = exchange_heads(kv, ULYSSES)
+            o = attend_shard(q, k, v, pos_BS, seg_BS, kv_exchange=cfg.kv_exchange, kernel=cfg.kernel,
+                             is_causal=cfg.is_causal, local_window_size=window, scale=scale)
         y = y + lax.optimization_barrier(heads_to_model(o, cwo, ULYSSES))
     y = lax.psum(y, TP)
     if cfg.use_bias:

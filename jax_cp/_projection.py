@@ -8,15 +8,17 @@ Letters: B batch, S local sequence, D model width, H heads (of this chunk), d he
 """
 from __future__ import annotations
 
+import itertools
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_cp._collectives import _a2a
 from jax_cp._posenc import apply_rope, rms_norm
 
-__all__ = ["project_to_heads", "project_parts", "exchange_heads", "heads_to_model"]
+__all__ = ["project_parts", "exchange_heads", "heads_to_model"]
 
 
 def _seq_to_heads(y, axis_name):
@@ -41,46 +43,64 @@ def _per_token(y, norm_d, pos_BS, theta):
     return y
 
 
-def _stacked_to_heads(y_BSPHd, axis_name):  # [B, S/u, P, H, d] -> [B, S, P, H/u, d]
-    return _a2a(y_BSPHd, axis_name, 3, 1)
+def _pack(parts, u: int):
+    """Parts ``[B, S, H_i, d]`` -> ``[B, S, u, sum_i H_i/u, d]``: head group j of every part in slot j."""
+    B, S = parts[0].shape[:2]
+    return jnp.concatenate([p.reshape(B, S, u, p.shape[2] // u, p.shape[3]) for p in parts], axis=3)
 
 
-def _stacked_to_seq(y_BSPHd, axis_name):  # the inverse
-    return _a2a(y_BSPHd, axis_name, 1, 3)
-
-
-def project_to_heads(x_BSD, ws, bs, norms, pos_BS, axis_name, dtype, theta=None, rotate=None):
-    """``P`` projections of the same tokens sharing one all-to-all: ``[B, S/u, D] -> [B, S, P, H/u, d]``.
-
-    ``project_parts`` (the matmuls, QK-norm and RoPE on the local tokens) then
-    ``exchange_heads`` (one all-to-all for all ``P`` parts: K and V travel
-    together; on TPU only one all-to-all is in flight at a time, so fewer,
-    larger exchanges leave more matmuls to hide each one under).
-    """
-    return exchange_heads(project_parts(x_BSD, ws, bs, norms, pos_BS, dtype, theta, rotate), axis_name)
+def _unpack(y, sizes):
+    """``[B, S, 1, sum_i h_i, d]`` -> parts ``[B, S, h_i, d]``."""
+    y = y[:, :, 0]
+    return tuple(jnp.split(y, list(itertools.accumulate(sizes))[:-1], axis=2)) if len(sizes) > 1 else (y,)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
-def exchange_heads(y_BSPHd, axis_name):
-    """All-to-all ``[B, S/u, P, H, d] -> [B, S, P, H/u, d]``; backward: the inverse all-to-all."""
-    return _stacked_to_heads(y_BSPHd, axis_name)
+def exchange_heads(parts, axis_name):
+    """One all-to-all for several tensors: each ``[B, S/u, H_i, d] -> [B, S, H_i/u, d]``.
+
+    Head group j of every part travels to the device of ``axis_name`` rank j
+    in the same collective (TPUs run one all-to-all at a time, so one larger
+    exchange leaves more compute to hide it under than several small ones).
+    Backward: the inverse all-to-all, also one collective.
+    """
+    u = lax.axis_size(axis_name)
+    if u == 1:
+        return tuple(parts)
+    y = _a2a(_pack(parts, u), axis_name, 2, 1)  # [B, S, 1, sum H_i/u, d]
+    return _unpack(y, [p.shape[2] // u for p in parts])
 
 
-exchange_heads.defvjp(lambda y, axis_name: (exchange_heads(y, axis_name), None),
-                      lambda axis_name, _, g: (_stacked_to_seq(g, axis_name),))
+def _xh_fwd(parts, axis_name):
+    return exchange_heads(parts, axis_name), None
+
+
+def _xh_bwd(axis_name, _, gs):
+    u = lax.axis_size(axis_name)
+    if u == 1:
+        return (tuple(gs),)
+    B, S = gs[0].shape[:2]
+    g = jnp.concatenate([g_[:, :, None] for g_ in gs], axis=3)  # [B, S, 1, sum h_i, d]
+    g = _a2a(g, axis_name, 1, 2)  # [B, S/u, u, sum h_i, d]
+    sizes = [g_.shape[2] for g_ in gs]
+    chunks = jnp.split(g, list(itertools.accumulate(sizes))[:-1], axis=3) if len(gs) > 1 else [g]
+    return (tuple(c.reshape(B, S // u, u * h, c.shape[-1]) for c, h in zip(chunks, sizes)),)
+
+
+exchange_heads.defvjp(_xh_fwd, _xh_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def project_parts(x_BSD, ws, bs, norms, pos_BS, dtype, theta=None, rotate=None):
-    """``P`` projections of the local tokens, stacked on axis 2: ``[B, S/u, D] -> [B, S/u, P, H, d]``.
+    """Projections of the local tokens: ``x [B, S/u, D] @ ws[i] [D, H_i, d] (+ bs[i])`` in ``dtype``.
 
-    For each part ``i``: ``x @ ws[i] [D, H, d] (+ bs[i])`` in ``dtype``, then QK-norm
-    (scale ``norms[i]``) and RoPE (``theta``, where ``rotate[i]``, at the local
-    tokens' positions ``pos_BS``) when given. The per-token transforms run
-    here, *before* the exchange, so nothing sits between the exchange and the
-    attention (or the colossal K/V exchange) that consumes it. Weight
-    gradients come back in the weights' own dtype (float32 parameters keep
-    float32 gradients through every later sum).
+    Then QK-norm (scale ``norms[i]``) and RoPE (``theta``, where ``rotate[i]``,
+    at the local tokens' positions ``pos_BS``) when given. The per-token
+    transforms run here, *before* the exchange, so nothing sits between the
+    exchange and the attention (or the colossal K/V exchange) that consumes
+    it. Returns the tuple of parts ``[B, S/u, H_i, d]``. Weight gradients come
+    back in the weights' own dtype (float32 parameters keep float32 gradients
+    through every later sum).
     """
     return _parts(x_BSD, ws, bs, norms, pos_BS, dtype, theta, rotate)[1]
 
@@ -88,22 +108,21 @@ def project_parts(x_BSD, ws, bs, norms, pos_BS, dtype, theta=None, rotate=None):
 def _parts(x, ws, bs, norms, pos, dtype, theta, rotate):
     ys = [_proj(x, w, b, dtype) for w, b in zip(ws, bs)]
     rotate = rotate or (False,) * len(ws)
-    outs = [_per_token(y, n, pos, theta if r else None) for y, n, r in zip(ys, norms, rotate)]
-    return ys, jnp.stack(outs, axis=2)
+    return ys, tuple(_per_token(y, n, pos, theta if r else None) for y, n, r in zip(ys, norms, rotate))
 
 
 def _pp_fwd(x, ws, bs, norms, pos, dtype, theta, rotate):
-    ys, y = _parts(x, ws, bs, norms, pos, dtype, theta, rotate)
+    ys, out = _parts(x, ws, bs, norms, pos, dtype, theta, rotate)
     kept = tuple(y_ if n is not None else None for y_, n in zip(ys, norms))  # the norm's backward needs its input
-    return y, (x, ws, bs, norms, pos, kept)
+    return out, (x, ws, bs, norms, pos, kept)
 
 
-def _pp_bwd(dtype, theta, rotate, res, g_BSPHd):
+def _pp_bwd(dtype, theta, rotate, res, gs):
     x, ws, bs, norms, pos, kept = res
     rotate = rotate or (False,) * len(ws)
     dx, dws, dbs, dnorms = 0.0, [], [], []
-    for i, (w, b, n, y, r) in enumerate(zip(ws, bs, norms, kept, rotate)):
-        g, th = g_BSPHd[:, :, i], theta if r else None
+    for g, w, b, n, y, r in zip(gs, ws, bs, norms, kept, rotate):
+        th = theta if r else None
         dn = None
         if n is not None:
             _, vjp = jax.vjp(lambda y_, n_: _per_token(y_, n_, pos, th), y, n)

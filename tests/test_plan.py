@@ -335,6 +335,19 @@ def test_all_to_all_exchange_is_all_async_on_tpu():
     assert {c.phase for c in cp if c.axes == both} == {"fwd", "bwd"}
 
 
+def test_v5p_compiles_default_positions():
+    """libtpu 0.0.52 aborts the whole process (a megacore check failure) compiling this v5p layer
+    when the default ``arange`` positions are folded into the kernel's block bounds; the layer keeps
+    its metadata behind an optimization barrier. In a subprocess, so a regression fails this test
+    instead of killing the test run."""
+    code = ("from jax_cp import plan; r = plan.analyze(topology='v5p:2x2x1', model='tiny', seq_len=8192, batch=4, "
+            "cp_colossal=2, cp_ulysses=2, baseline=False); print('memory', r.analysis.memory.total)")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "Check failed" not in out.stderr, out.stderr[-3000:]
+    assert int(out.stdout.split("memory")[1]) > 0
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(topology="v9z:2x2"), "unknown chip 'v9z'"),
     (dict(topology="v5e:3x3"), "not a TPU topology libtpu knows"),
