@@ -1,9 +1,11 @@
-"""Projection + collective blocks with a mirrored ``jax.custom_vjp`` backward.
+"""Projections and their Ulysses exchanges, each with a stated ``jax.custom_vjp`` backward.
 
-Each block pairs one projection matmul with its own collective, so a chunk's
-collective depends on nothing but its own matmul and XLA can run it under the
-next chunk's matmul; the backward issues the inverse collective next to the
-matching input- and weight-gradient matmuls.
+``project_parts`` runs a chunk's projection matmuls with QK-norm and RoPE on the
+device's own tokens; ``exchange_heads`` sends the result across ``cp_ulysses``
+in one all-to-all. A chunk's exchange depends on nothing but its own matmuls, so
+XLA can run it under the next chunk's matmuls or attention; the backward runs
+the inverse all-to-all, then the input- and weight-gradient matmuls.
+``heads_to_model`` is the output side: inverse all-to-all, then the output projection.
 Letters: B batch, S local sequence, D model width, H heads (of this chunk), d head dim.
 """
 from __future__ import annotations
