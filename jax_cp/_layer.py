@@ -22,8 +22,8 @@ from jax_cp._attention import (
     KV_EXCHANGES, attend_gathered, attend_shard, check_seq_batch, opaque_metadata, placed_metadata, seq_chunk,
 )
 from jax_cp._checks import check_positive_fields
-from jax_cp._masks import normalize_window
 from jax_cp._collectives import spread_kv
+from jax_cp._masks import normalize_window
 from jax_cp._mesh import AXES, COLOSSAL, CP, DP, TP, ULYSSES, MeshDims, lcm, mesh_dims, place
 from jax_cp._projection import exchange_heads, heads_to_model, project_parts
 
