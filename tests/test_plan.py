@@ -218,6 +218,49 @@ def test_parser_on_hand_written_hlo_jax_0_12_form():
     assert s.overlap_fraction("bwd") == 1.0
 
 
+# v5p with --xla_tpu_enable_sparse_core_collective_offload_all_gather (libtpu 0.0.52, trimmed): an operand-less
+# async-start on the "sparsecore" thread whose computation reaches the all-gather through a custom-call's
+# called_computations; the data arrives by async-update; computations close with "}, execution_thread=...".
+HLO_SPARSECORE = """HloModule jit_step, is_scheduled=true
+
+%called_computation.1 (param_0.578: bf16[4,16]) -> bf16[8,16] {
+  %param_0.578 = bf16[4,16]{1,0} parameter(0)
+  ROOT %all-gather.3 = bf16[8,16]{1,0} all-gather(%param_0.578), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}
+}, execution_thread="sparsecore"
+
+%async_computation.1 (param_0.577: bf16[4,16]) -> bf16[8,16] {
+  %param_0.577 = bf16[4,16]{1,0} parameter(0)
+  ROOT %custom-call.4 = bf16[8,16]{1,0} custom-call(%param_0.577), custom_call_target="TODO(b/522284627)", called_computations={%called_computation.1}
+}, execution_thread="sparsecore"
+
+%fused_matmul (p0: bf16[8,16], p1: bf16[16,16]) -> bf16[8,16] {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  %p1 = bf16[16,16]{1,0} parameter(1)
+  ROOT %convolution.1 = bf16[8,16]{1,0} convolution(%p0, %p1), dim_labels=bf_io->bf
+}
+
+ENTRY %main (x: bf16[8,16], w: bf16[16,16], k: bf16[4,16]) -> (bf16[8,16], bf16[8,16]) {
+  %x = bf16[8,16]{1,0} parameter(0)
+  %w = bf16[16,16]{1,0} parameter(1)
+  %k = bf16[4,16]{1,0} parameter(2)
+  %all-gather.2.call-start = ((), (), (s32[8]{0}, /*index=1*/s32[4]{0})) async-start(), async_execution_thread="sparsecore", calls=%async_computation.1, metadata={op_name="jit(step)/jvp()/shard_map/all_gather"}
+  %all-gather.2.call-update = ((bf16[4,16]{1,0}), bf16[8,16]{1,0}, (s32[8]{0}, s32[4]{0})) async-update(%all-gather.2.call-start, %k)
+  %fusion.1 = bf16[8,16]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_matmul
+  %all-gather.2.call-done = bf16[8,16]{1,0} async-done(%all-gather.2.call-update), metadata={op_name="jit(step)/jvp()/shard_map/all_gather"}
+  %fusion.2 = bf16[8,16]{1,0} fusion(%all-gather.2.call-done, %w), kind=kOutput, calls=%fused_matmul
+  ROOT %tuple = (bf16[8,16]{1,0}, bf16[8,16]{1,0}) tuple(%fusion.1, %fusion.2)
+}
+"""
+
+
+def test_parser_sparsecore_offloaded_all_gather():
+    s = plan.analyze_schedule(HLO_SPARSECORE, **MESH)
+    (ag,) = s.collectives  # one collective: the inner all-gather is not counted again as synchronous
+    assert (ag.kind, ag.axes, ag.bytes, ag.phase, ag.is_async, ag.overlapped, ag.compute_inside) == (
+        "all-gather", ("cp_colossal",), 8 * 16 * 2, "fwd", True, True, ("fusion.1",))
+    assert ag.feeds_compute and s.overlap_fraction("fwd") == 1.0
+
+
 def test_parser_mesh_replica_groups():
     groups = _hlo._groups
     assert groups("replica_groups=mesh['a'=2,'b'=4] {'b'}, dimensions={0}") == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -250,7 +293,9 @@ def test_recommended_flags():
     assert "--xla_tpu_enable_async_all_to_all=true" in tpu
     fusion = "--xla_tpu_enable_async_collective_fusion=true"  # libtpu refuses it on chips other than v5e
     assert fusion not in tpu and fusion in plan.recommended_xla_flags("tpu", chip="v5e")
-    assert "--xla_tpu_enable_all_experimental_scheduler_features=true" in plan.recommended_xla_flags("tpu", chip="v5p")
+    v5p = plan.recommended_xla_flags("tpu", chip="v5p")
+    assert "--xla_tpu_enable_all_experimental_scheduler_features=true" in v5p
+    assert "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true" in v5p and fusion not in v5p
     assert plan.compiler_options(("--a=true", "--b=FALSE", "--c=12", "--d=x")) == dict(a=True, b=False, c=12, d="x")
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in plan.recommended_xla_flags("gpu")
     env = {"LIBTPU_INIT_ARGS": "--xla_tpu_enable_async_all_to_all=false --my_flag=1"}

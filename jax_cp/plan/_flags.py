@@ -39,6 +39,9 @@ _TPU_V5E_FLAGS = (
 # backward). On v5e it changed no schedule we compiled, so it stays v5p-only.
 _TPU_V5P_FLAGS = (
     "--xla_tpu_enable_all_experimental_scheduler_features=true",
+    # v5p has no async all-gather fusion (above); offloaded to the SparseCores an all-gather runs
+    # asynchronously beside the TensorCore's matmuls (all-gather layouts 0.00 -> 1.00 forward).
+    "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
 )
 
 _GPU_FLAGS = (
@@ -67,8 +70,8 @@ def recommended_xla_flags(platform: str = "tpu", *, chip: str | None = None) -> 
     collective-permute asynchronous so XLA's latency-hiding scheduler can place
     matmuls between start and done; ``chip="v5e"`` adds async collective
     fusion, which libtpu supports on v5e only, ``chip="v5p"`` the scheduler
-    features that hide all-to-alls there (``chip=None``: the flags safe on
-    every generation). On GPU they enable that scheduler and pipelining of
+    features that hide all-to-alls there and SparseCore offload of all-gather
+    (``chip=None``: the flags safe on every generation). On GPU they enable that scheduler and pipelining of
     collectives across layers. All names were checked against jaxlib 0.10.2 /
     libtpu 0.0.52; unknown flags make XLA abort at start-up.
     """

@@ -23,7 +23,7 @@ _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
-_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations)=(\{[^}]*\}|%[\w.\-]+)")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|called_computations)=(\{[^}]*\}|%[\w.\-]+)")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
@@ -151,7 +151,7 @@ def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
                 current = m.group(2)
                 comps[current] = []
                 entry = current if m.group(1) else entry
-        elif line.strip() == "}":
+        elif line.strip() == "}" or line.startswith("}, "):  # "}, execution_thread=..." closes one too
             current = None
         elif line.lstrip().startswith(("%", "ROOT ")) or not comps[current]:
             comps[current].append(line)
