@@ -38,20 +38,17 @@ CASES = {
 }
 
 
-def cp_ring_layer(shape: plan.LayerShape, mesh):
-    """``CPAttention(kv_exchange="ring")``: K/V passed around cp_colossal by collective-permutes."""
-    return plan.cp_layer(dataclasses.replace(shape, kv_exchange="ring"), mesh)
-
-
-def cp_a2a_layer(shape: plan.LayerShape, mesh):
-    """``CPAttention(kv_exchange="all_to_all")``: the K/V all-gather done as an all-to-all of c copies."""
-    return plan.cp_layer(dataclasses.replace(shape, kv_exchange="all_to_all"), mesh)
+def cp_layer_with(kv_exchange: str):
+    """``CPAttention(kv_exchange=...)``: "ring" (collective-permutes over cp_colossal) or "all_to_all"."""
+    def build(shape: plan.LayerShape, mesh):
+        return plan.cp_layer(dataclasses.replace(shape, kv_exchange=kv_exchange), mesh)
+    return build
 
 
 VARIANTS = {
     "cp": ("CPAttention", plan.cp_layer, (1, 2, 4)),
-    "cp-ring": ("CPAttention ring", cp_ring_layer, (1, 2, 4)),
-    "cp-a2a": ("CPAttention all_to_all", cp_a2a_layer, (1, 2, 4)),
+    "cp-ring": ("CPAttention ring", cp_layer_with("ring"), (1, 2, 4)),
+    "cp-a2a": ("CPAttention all_to_all", cp_layer_with("all_to_all"), (1, 2, 4)),
     "naive": ("naive fused QKV", plan.naive_layer, (1,)),
 }
 

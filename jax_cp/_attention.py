@@ -26,7 +26,7 @@ from jax_cp._masks import normalize_window
 from jax_cp._mesh import COLOSSAL, CP, DP, TP, ULYSSES, MeshDims, lcm, mesh_dims, place
 
 __all__ = [
-    "dot_product_attention", "attend_shard", "attend_gathered", "opaque_metadata", "seq_chunk", "kv_head_replication",
+    "dot_product_attention", "attend_shard", "attend_gathered", "placed_metadata", "seq_chunk", "kv_head_replication",
     "LAYOUTS", "KV_EXCHANGES",
 ]
 
@@ -96,8 +96,11 @@ def placed_metadata(positions, segment_ids, batch: int, seq_len: int, mesh):
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
     segment_ids = check_metadata("segment_ids", segment_ids, batch, seq_len)
-    present = [a for a in (positions, segment_ids) if a is not None]
-    return [place(a, mesh, META_SPEC) for a in present], [META_SPEC] * len(present)
+    present = [place(a, mesh, META_SPEC) for a in (positions, segment_ids) if a is not None]
+    # Opaque to constant folding: folded into the kernel's per-block bounds, the default arange
+    # becomes a reduce over an iota that libtpu 0.0.52 aborts on while splitting it over a v5p
+    # chip's two TensorCores (MegacoreTransformWindow check failure).
+    return list(lax.optimization_barrier(tuple(present))), [META_SPEC] * len(present)
 
 
 def seq_chunk(a_BS, axis_names: tuple[str, ...]):
@@ -112,17 +115,6 @@ def seq_chunk(a_BS, axis_names: tuple[str, ...]):
         return a_BS
     T = a_BS.shape[1] // n
     return lax.dynamic_slice_in_dim(a_BS, idx * T, T, axis=1)
-
-
-def opaque_metadata(pos_BS, seg_BS):
-    """Metadata as the shard function receives it, hidden from constant folding.
-
-    Default positions are an ``arange``; folded into the kernel's per-block
-    bounds they become a reduce over an iota that libtpu 0.0.52 aborts on while
-    splitting it over a v5p chip's two TensorCores (``MegacoreTransformWindow``
-    check failure). An optimization barrier keeps them an input.
-    """
-    return lax.optimization_barrier((pos_BS, seg_BS))
 
 
 def attend_shard(q_BSHd, k_BSKd, v_BSKd, pos_all, seg_all, *, kv_exchange="all_gather", kernel="auto", **mask):
@@ -143,7 +135,8 @@ def attend_shard(q_BSHd, k_BSKd, v_BSKd, pos_all, seg_all, *, kv_exchange="all_g
         return ring_attention(q_BSHd, k_BSKd, v_BSKd, pos, seg, axis_name=COLOSSAL, **mask)
     # K and V travel in one collective: fewer, larger exchanges leave more compute to hide
     # each under (TPU runs one all-to-all at a time).
-    kv_all = gather_seq(jnp.stack([k_BSKd, v_BSKd], axis=2), COLOSSAL, kv_exchange)
+    kv = jnp.stack([k_BSKd, v_BSKd], axis=2)
+    kv_all = gather_seq(kv, COLOSSAL) if kv_exchange == "all_gather" else spread_kv(kv, COLOSSAL)
     return attend_gathered(q_BSHd, kv_all, pos_all, seg_all, kernel=kernel, **mask)
 
 
@@ -157,7 +150,6 @@ def attend_gathered(q_BSHd, kv_BS2Kd, pos_all, seg_all, *, kernel="auto", **mask
 
 
 def _shard_fn(q, k, v, pos_all, seg_all=None, *, kv_exchange, **kw):
-    pos_all, seg_all = opaque_metadata(pos_all, seg_all)
     (q,) = exchange_heads((q,), ULYSSES)
     if kv_exchange == "all_to_all" and lax.axis_size(COLOSSAL) > 1:  # K/V: one all-to-all over both CP axes
         o = attend_gathered(q, spread_kv(jnp.stack([k, v], axis=2), COLOSSAL, ULYSSES), pos_all, seg_all, **kw)

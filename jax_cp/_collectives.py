@@ -57,42 +57,25 @@ seq_to_heads.defvjp(_s2h_fwd, _s2h_bwd)
 heads_to_seq.defvjp(_h2s_fwd, _h2s_bwd)
 
 
-GATHER_IMPLS = ("all_gather", "all_to_all")
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gather_seq(x_BSHd: jax.Array, axis_name: str, impl: str = "all_gather") -> jax.Array:
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather_seq(x_BSHd: jax.Array, axis_name: str) -> jax.Array:
     """``[B, S/c, ...] -> [B, S, ...]``: all-gather along the sequence.
 
-    ``impl="all_to_all"`` moves the same bytes as an all-to-all of ``c`` copies
-    of the local chunk: TPUs run all-to-all asynchronously under any compute
-    (with ``--xla_tpu_enable_async_all_to_all``), an all-gather only as v5e
-    collective fusion under matmuls. It holds the ``c`` copies as one more
-    gathered-size buffer.
-
-    Backward (both): the cotangent in float32, cut into ``c`` sequence blocks,
-    an all-to-all sends block ``i`` of every device to device ``i``, which sums
+    Backward: the cotangent in float32, cut into ``c`` sequence blocks, an
+    all-to-all sends block ``i`` of every device to device ``i``, which sums
     them. The same bytes as a reduce-scatter, but asynchronous on TPU, where
     reduce-scatter is scheduled synchronously.
     """
-    if impl not in GATHER_IMPLS:
-        raise ValueError(f"impl={impl!r} must be one of {GATHER_IMPLS}.")
-    c = _axis_size(axis_name)
-    if c == 1:
+    if _axis_size(axis_name) == 1:
         return x_BSHd
-    if impl == "all_gather":
-        return lax.all_gather(x_BSHd, axis_name, axis=1, tiled=True)
-    B, T = x_BSHd.shape[:2]
-    copies = jnp.broadcast_to(x_BSHd[:, None], (B, c, *x_BSHd.shape[1:]))
-    out = lax.all_to_all(copies, axis_name, 1, 1, tiled=True)  # [B, c (source), S/c, ...]
-    return out.reshape(B, c * T, *x_BSHd.shape[2:])
+    return lax.all_gather(x_BSHd, axis_name, axis=1, tiled=True)
 
 
-def _gather_fwd(x, axis_name, impl):
-    return gather_seq(x, axis_name, impl), jnp.zeros((0,), x.dtype)
+def _gather_fwd(x, axis_name):
+    return gather_seq(x, axis_name), jnp.zeros((0,), x.dtype)
 
 
-def _gather_bwd(axis_name, impl, dtype_carrier, g):
+def _gather_bwd(axis_name, dtype_carrier, g):
     c = _axis_size(axis_name)
     if c == 1:
         return (g,)
@@ -106,8 +89,13 @@ def _gather_bwd(axis_name, impl, dtype_carrier, g):
 gather_seq.defvjp(_gather_fwd, _gather_bwd)
 
 
+def _spread_axes(colossal: str, ulysses: str | None):
+    axes = (colossal,) if ulysses is None else (colossal, ulysses)
+    return axes, _axis_size(colossal), 1 if ulysses is None else _axis_size(ulysses)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def spread_kv(x_BTPHd: jax.Array, colossal: str, ulysses: str) -> jax.Array:
+def spread_kv(x_BTPHd: jax.Array, colossal: str, ulysses: str | None = None) -> jax.Array:
     """``[B, S/(c*u), P, H, d] -> [B, S, P, H/u, d]`` in one all-to-all over both CP axes.
 
     What the Ulysses all-to-all followed by the colossal all-gather deliver
@@ -116,17 +104,20 @@ def spread_kv(x_BTPHd: jax.Array, colossal: str, ulysses: str) -> jax.Array:
     ``cp_ulysses`` rank is ``j``. The bytes on the wire equal those of the two
     steps; TPUs run one all-to-all at a time, so one exchange instead of two
     leaves more compute to hide each under. ``P`` stacks K and V.
+    ``ulysses=None``: heads already split, the gather over ``colossal`` alone
+    as an all-to-all of ``c`` copies (asynchronous on TPU, unlike all-gather
+    off v5e).
 
     Backward: the cotangent in float32 goes back by the inverse all-to-all and
     the ``c`` copies of each block are summed.
     """
-    c, u = _axis_size(colossal), _axis_size(ulysses)
+    axes, c, u = _spread_axes(colossal, ulysses)
     if c * u == 1:
         return x_BTPHd
     B, T, Pp, H, d = x_BTPHd.shape
     y = x_BTPHd.reshape(B, T, Pp, u, H // u, d).transpose(0, 1, 3, 2, 4, 5)  # [B, T, u, P, H/u, d]
     y = jnp.broadcast_to(y[:, :, None], (B, T, c, u, Pp, H // u, d)).reshape(B, T, c * u, Pp, H // u, d)
-    y = lax.all_to_all(y, (colossal, ulysses), 2, 1, tiled=True)  # [B, S, 1, P, H/u, d]: sources in mesh order
+    y = lax.all_to_all(y, axes, 2, 1, tiled=True)  # [B, S, 1, P, H/u, d]: sources in mesh order
     return y.reshape(B, c * u * T, Pp, H // u, d)
 
 
@@ -135,13 +126,13 @@ def _spread_fwd(x, colossal, ulysses):
 
 
 def _spread_bwd(colossal, ulysses, dtype_carrier, g_BSPhd):
-    c, u = _axis_size(colossal), _axis_size(ulysses)
+    axes, c, u = _spread_axes(colossal, ulysses)
     if c * u == 1:
         return (g_BSPhd,)
     B, S, Pp, h, d = g_BSPhd.shape
     acc = jnp.promote_types(g_BSPhd.dtype, jnp.float32)
     g = g_BSPhd.astype(acc).reshape(B, S, 1, Pp, h, d)
-    g = lax.all_to_all(g, (colossal, ulysses), 1, 2, tiled=True)  # [B, T, c*u, P, h, d]: block of every device
+    g = lax.all_to_all(g, axes, 1, 2, tiled=True)  # [B, T, c*u, P, h, d]: block of every device
     g = g.reshape(B, S // (c * u), c, u, Pp, h, d).sum(2)  # the c copies of each head group
     g = g.transpose(0, 1, 3, 2, 4, 5).reshape(B, S // (c * u), Pp, u * h, d)
     return (g.astype(dtype_carrier.dtype),)

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_cp import kernels as _kernels
 from jax_cp._attention import (
-    KV_EXCHANGES, attend_gathered, attend_shard, check_seq_batch, opaque_metadata, placed_metadata, seq_chunk,
+    KV_EXCHANGES, attend_gathered, attend_shard, check_seq_batch, placed_metadata, seq_chunk,
 )
 from jax_cp._checks import check_positive_fields
 from jax_cp._collectives import spread_kv
@@ -149,7 +149,6 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, cfg: LayerConfig, layout
     bq = bk = bv = None
     if cfg.use_bias:
         bq, bk, bv = w["q_bias"], _local_kv(w["k_bias"], layout, 0), _local_kv(w["v_bias"], layout, 0)
-    pos_BS, seg_BS = opaque_metadata(pos_BS, seg_BS)
     pos_local = seq_chunk(pos_BS, (COLOSSAL, ULYSSES))  # this device's tokens, for RoPE before the exchange
     # One pipeline stage per head chunk: chunk i's collectives and attention are
     # independent of chunk i+1's matmuls, so XLA can hide one under the other.

@@ -22,7 +22,6 @@ from jax_cp._mesh import CP, DP, TP, ULYSSES, lcm, mesh_dims
 __all__ = ["LayerShape", "cp_layer", "naive_layer"]
 
 X_SPEC = P(DP, CP, None)
-META_SPEC = P(DP, None)  # as the library: full-sequence metadata, sliced per device
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,7 +98,7 @@ def cp_layer(shape: LayerShape, mesh):
 
 def naive_layer(shape: LayerShape, mesh):
     """The baseline: ``x @ [Wq|Wk|Wv]`` in one matmul, then every collective after it."""
-    from jax_cp._attention import attend_shard, opaque_metadata
+    from jax_cp._attention import META_SPEC, attend_shard, placed_metadata
     from jax_cp._collectives import heads_to_seq, seq_to_heads
 
     dims = mesh_dims(mesh)
@@ -115,7 +114,6 @@ def naive_layer(shape: LayerShape, mesh):
         y = jnp.einsum("bsd,dte->bse", x_BSD.astype(dt), w_qkv.astype(dt))
         q, k, v = jnp.split(y, [hq * d, (hq + hk) * d], axis=-1)
         q, k, v = (seq_to_heads(a.reshape(B, s, -1, d), ULYSSES) for a in (q, k, v))
-        pos_BS, _ = opaque_metadata(pos_BS, None)
         o = attend_shard(q, k, v, pos_BS, None, kernel=shape.kernel, kv_exchange=shape.kv_exchange,
                          is_causal=shape.is_causal)
         o = heads_to_seq(o, ULYSSES).reshape(B, s, hq * d)
@@ -126,9 +124,8 @@ def naive_layer(shape: LayerShape, mesh):
     S, B = shape.seq_len, shape.batch
 
     def apply(params, x):
-        pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-        pos = jax.sharding.reshard(pos, NamedSharding(mesh, META_SPEC)) if _explicit(mesh) else pos
-        return fn(params["qkv_kernel"], params["o_kernel"], x, pos)
+        meta, _ = placed_metadata(None, None, B, S, mesh)  # default positions, placed as the library does
+        return fn(params["qkv_kernel"], params["o_kernel"], x, *meta)
 
     params = {
         "qkv_kernel": _sds((D, t, (hq + 2 * hk) * d), shape.param_dtype, mesh, w_specs[0]),
@@ -136,6 +133,3 @@ def naive_layer(shape: LayerShape, mesh):
     }
     return _loss_grad(apply), (params, _x_sds(shape, mesh))
 
-
-def _explicit(mesh) -> bool:
-    return any(a == jax.sharding.AxisType.Explicit for a in getattr(mesh, "axis_types", ()))
