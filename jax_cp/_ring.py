@@ -4,9 +4,10 @@ Each of the ``c`` steps (a loop, so only one remote chunk is live) attends the
 local queries to the K/V chunk in hand (blockwise kernel; fully masked steps
 cost no block work), continuing the running online softmax, while ``lax.ppermute``
 already moves the next chunk (issued before the step's compute so the
-scheduler can overlap them). The ``custom_vjp`` backward rotates K/V again,
-with their float32 dK/dV accumulators travelling alongside and arriving home
-after the last step.
+scheduler can overlap them). The ``custom_vjp`` backward rotates K/V the other way,
+with their float32 dK/dV accumulators travelling alongside; the chunk at home
+is attended last, so every accumulator completes on its owner and no transfer
+follows the last step's compute.
 Letters: B batch, T local sequence (S/c), H local query heads, K local kv heads, d head dim.
 """
 from __future__ import annotations
@@ -22,9 +23,9 @@ from jax_cp import _blockwise as bw
 __all__ = ["ring_attention"]
 
 
-def _shift(tree, axis_name: str, c: int):
-    """Every device passes ``tree`` to the next rank on the ring."""
-    return lax.ppermute(tree, axis_name, [(i, (i + 1) % c) for i in range(c)])
+def _shift(tree, axis_name: str, c: int, step: int = 1):
+    """Every device passes ``tree`` to rank ``i + step`` on the ring."""
+    return lax.ppermute(tree, axis_name, [(i, (i + step) % c) for i in range(c)])
 
 
 def _forward(q, k, v, pos, seg, axis_name, spec):
@@ -68,25 +69,36 @@ def _ring_bwd(axis_name, spec, res, do):
     def grads(kv, dq=None):  # dq accumulates in place
         return bw.backward(q, kv[0], kv[1], do, lse, delta, qm, bw.Meta(kv[2], kv[3]), spec, dq=dq)
 
-    # Step 0: the chunk at home. Later steps first start two transfers, the next
-    # K/V chunk and the float32 dK/dV accumulator of the chunk now in hand (the
-    # neighbour summed it one step earlier), then compute under both.
-    kv = (k, v, pos, seg)
-    nxt = _shift(kv, axis_name, c) if c > 1 else None
-    dq, dk, dv = grads(kv)
+    # The ring turns the other way round (else XLA merges the first transfers with
+    # the forward's and keeps those chunks alive until here), and the chunk at
+    # home comes last: at step s device r holds chunk r+1+s, so the float32 dK/dV
+    # accumulator of a chunk travels with it and completes on its owner at the
+    # final step, with no return hop after the last compute.
+    home = (k, v, pos, seg)
+    if c == 1:
+        dq, dk, dv = grads(home)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
-    def step(_, state):
+    def attend(dq, acc, kv):
+        # The accumulator in hand travels while this chunk's gradients are computed;
+        # the barrier holds the next step's compute until the sum is done, so XLA
+        # cannot run every step's compute first and leave the transfers in a row.
+        recv = _shift(acc, axis_name, c, -1)
+        dq, dk_s, dv_s = grads(kv, dq)
+        return lax.optimization_barrier((dq, (recv[0] + dk_s, recv[1] + dv_s)))
+
+    def step(_, state):  # a remote chunk, the next one already on its way
         dq, acc, kv = state
-        recv, nxt = _shift(acc, axis_name, c), _shift(kv, axis_name, c)
-        dq, dk_s, dv_s = grads(kv, dq)
-        return dq, (recv[0] + dk_s, recv[1] + dv_s), nxt
+        nxt = _shift(kv, axis_name, c, -1)
+        return *attend(dq, acc, kv), nxt
 
-    if c > 1:
-        dq, (dk, dv), kv = lax.fori_loop(0, c - 2, step, (dq, (dk, dv), nxt))
-        recv = _shift((dk, dv), axis_name, c)  # last step: no K/V left to fetch
-        dq, dk_s, dv_s = grads(kv, dq)
-        dk, dv = recv[0] + dk_s, recv[1] + dv_s
-        dk, dv = _shift((dk, dv), axis_name, c)  # complete accumulators go home
+    kv = _shift(home, axis_name, c, -1)
+    nxt = _shift(kv, axis_name, c, -1) if c > 2 else None
+    dq, dk, dv = grads(kv)  # step 0 starts the accumulator of chunk r+1
+    if c > 2:
+        dq, acc, kv = lax.fori_loop(0, c - 3, step, (dq, (dk, dv), nxt))
+        dq, (dk, dv) = attend(dq, acc, kv)  # the last remote chunk: nothing further to fetch
+    dq, (dk, dv) = attend(dq, (dk, dv), home)  # own chunk: its accumulator arrives complete
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
