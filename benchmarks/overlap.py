@@ -6,7 +6,9 @@ attention layer (D=4096, 32 heads, 8 kv heads, head dim 128, bf16, causal, RoPE)
 * ``naive``: one fused QKV projection, then every collective (the baseline);
 * ``CPAttention``: the library layer, ``overlap_chunks`` 1, 2 and 4, with each
   K/V exchange: ``all_gather`` (``cp``), ``all_to_all`` (``cp-a2a``) and
-  ``ring`` (``cp-ring``) where there is a ``cp_colossal`` axis;
+  ``ring`` (``cp-ring``) where there is a ``cp_colossal`` axis, and with
+  ``fuse_qkv_exchange=True`` (``cp-fused``, ``cp-ring-fused``) where there is a
+  ``cp_ulysses`` axis;
 
 and prints a markdown table: overlap fraction forward / backward (share of CP
 collective bytes with a matmul scheduled between start and done), per-device
@@ -38,25 +40,29 @@ CASES = {
 }
 
 
-def cp_layer_with(kv_exchange: str):
-    """``CPAttention(kv_exchange=...)``: "ring" (collective-permutes over cp_colossal) or "all_to_all"."""
+def cp_layer_with(kv_exchange: str, fuse_qkv_exchange: bool = False):
+    """``CPAttention(kv_exchange=..., fuse_qkv_exchange=...)``."""
     def build(shape: plan.LayerShape, mesh):
-        return plan.cp_layer(dataclasses.replace(shape, kv_exchange=kv_exchange), mesh)
+        return plan.cp_layer(
+            dataclasses.replace(shape, kv_exchange=kv_exchange, fuse_qkv_exchange=fuse_qkv_exchange), mesh)
     return build
 
 
+# name -> (label, builder, overlap_chunks tried, needs cp_colossal > 1, needs cp_ulysses > 1)
 VARIANTS = {
-    "cp": ("CPAttention", plan.cp_layer, (1, 2, 4)),
-    "cp-ring": ("CPAttention ring", cp_layer_with("ring"), (1, 2, 4)),
-    "cp-a2a": ("CPAttention all_to_all", cp_layer_with("all_to_all"), (1, 2, 4)),
-    "naive": ("naive fused QKV", plan.naive_layer, (1,)),
+    "cp": ("CPAttention", plan.cp_layer, (1, 2, 4), False, False),
+    "cp-ring": ("CPAttention ring", cp_layer_with("ring"), (1, 2, 4), True, False),
+    "cp-a2a": ("CPAttention all_to_all", cp_layer_with("all_to_all"), (1, 2, 4), True, False),
+    "cp-fused": ("CPAttention fused QKV", cp_layer_with("all_gather", True), (1, 2, 4), False, True),
+    "cp-ring-fused": ("CPAttention ring fused QKV", cp_layer_with("ring", True), (1, 2, 4), True, True),
+    "naive": ("naive fused QKV", plan.naive_layer, (1,), False, False),
 }
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--topology", action="append", help="repeatable; default: " + ", ".join(CASES))
-    p.add_argument("--variants", default="naive,cp,cp-a2a,cp-ring", help="comma-separated: " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default="naive,cp,cp-a2a,cp-ring,cp-fused,cp-ring-fused", help="comma-separated: " + ", ".join(VARIANTS))
     p.add_argument("--kernel", default="blockwise")
     p.add_argument("--layouts", default="Ulysses,all-gather,hybrid")
     args = p.parse_args(argv)
@@ -72,9 +78,11 @@ def main(argv=None):
                 continue
             mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, devices=devices)
             for key in args.variants.split(","):
-                label, build, chunk_options = VARIANTS[key]
+                label, build, chunk_options, needs_c, needs_u = VARIANTS[key]
+                if (needs_c and c == 1) or (needs_u and u == 1):
+                    continue
                 for chunks in chunk_options:
-                    if spec.num_heads % (t * u * chunks) or (key in ("cp-ring", "cp-a2a") and c == 1):
+                    if spec.num_heads % (t * u * chunks):
                         continue
                     shape = plan.LayerShape(batch=batch, seq_len=seq_len, d_model=spec.d_model,
                                             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,

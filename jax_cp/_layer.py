@@ -45,6 +45,7 @@ class LayerConfig:
     overlap_chunks: int = 1
     kernel: str = "auto"
     kv_exchange: str = "all_gather"
+    fuse_qkv_exchange: bool = False
 
     def __post_init__(self):
         check_positive_fields(self, ("in_features", "num_heads", "num_kv_heads", "head_dim", "overlap_chunks"))
@@ -58,6 +59,12 @@ class LayerConfig:
         _kernels.check_kernel(self.kernel)
         if self.kv_exchange not in KV_EXCHANGES:
             raise ValueError(f"kv_exchange={self.kv_exchange!r} must be one of {KV_EXCHANGES}.")
+        if self.fuse_qkv_exchange and self.kv_exchange == "all_to_all":
+            raise ValueError(
+                "fuse_qkv_exchange=True cannot be combined with kv_exchange='all_to_all': K and V then take "
+                "their own all-to-all over both CP axes. Use kv_exchange='all_gather' or 'ring', or "
+                "fuse_qkv_exchange=False."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,25 +156,31 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, cfg: LayerConfig, layout
     bq = bk = bv = None
     if cfg.use_bias:
         bq, bk, bv = w["q_bias"], _local_kv(w["k_bias"], layout, 0), _local_kv(w["v_bias"], layout, 0)
+    norms = (w.get("q_norm"), w.get("k_norm"), None)
+    spread = cfg.kv_exchange == "all_to_all" and layout.dims.c > 1  # K/V: one all-to-all over both CP axes
     pos_local = seq_chunk(pos_BS, (COLOSSAL, ULYSSES))  # this device's tokens, for RoPE before the exchange
     # One pipeline stage per head chunk: chunk i's collectives and attention are
     # independent of chunk i+1's matmuls, so XLA can hide one under the other.
     y = 0
-    for cq, ck, cv, cbq, cbk, cbv, cwo in zip(
-        _chunks(wq, n, 1), _chunks(wk, n, 1), _chunks(wv, n, 1),
-        *(_chunks(b, n, 0) if b is not None else [None] * n for b in (bq, bk, bv)), _chunks(wo, n, 0),
+    for ws, bs, cwo in zip(
+        zip(_chunks(wq, n, 1), _chunks(wk, n, 1), _chunks(wv, n, 1)),
+        zip(*(_chunks(b, n, 0) if b is not None else [None] * n for b in (bq, bk, bv))), _chunks(wo, n, 0),
     ):
-        # Projections with QK-norm and RoPE on the local tokens, before any exchange; Q crosses
-        # cp_ulysses in its own all-to-all (merging it with K/V measured worse on TPU).
-        (q,) = exchange_heads(project_parts(x, (cq,), (cbq,), (w.get("q_norm"),), pos_local, dtype,
-                                            cfg.rope_theta, (True,)), ULYSSES)
-        kv = project_parts(x, (ck, cv), (cbk, cbv), (w.get("k_norm"), None), pos_local, dtype, cfg.rope_theta,
-                           (True, False))
-        if cfg.kv_exchange == "all_to_all" and layout.dims.c > 1:  # one all-to-all over both CP axes
+        def project(idx):  # projections with QK-norm and RoPE on the local tokens, before any exchange
+            return project_parts(x, tuple(ws[i] for i in idx), tuple(bs[i] for i in idx),
+                                 tuple(norms[i] for i in idx), pos_local, dtype, cfg.rope_theta,
+                                 tuple(i < 2 for i in idx))  # RoPE on q and k
+
+        if cfg.fuse_qkv_exchange:  # Q, K and V cross cp_ulysses in one all-to-all
+            q, k, v = exchange_heads(project((0, 1, 2)), ULYSSES)
+        else:  # Q in its own all-to-all, issued before the K/V projections; K and V together
+            (q,) = exchange_heads(project((0,)), ULYSSES)
+            kv = project((1, 2))
+            k, v = (None, None) if spread else exchange_heads(kv, ULYSSES)
+        if spread:
             o = attend_gathered(q, spread_kv(jnp.stack(kv, axis=2), COLOSSAL, ULYSSES), pos_BS, seg_BS,
                                 kernel=cfg.kernel, is_causal=cfg.is_causal, local_window_size=window, scale=scale)
-        else:  # K and V cross cp_ulysses in one all-to-all, then the colossal exchange
-            k, v = exchange_heads(kv, ULYSSES)
+        else:  # K/V, here after the Ulysses exchange, cross cp_colossal
             o = attend_shard(q, k, v, pos_BS, seg_BS, kv_exchange=cfg.kv_exchange, kernel=cfg.kernel,
                              is_causal=cfg.is_causal, local_window_size=window, scale=scale)
         y = y + lax.optimization_barrier(heads_to_model(o, cwo, ULYSSES))

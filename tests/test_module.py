@@ -48,22 +48,24 @@ def _cases():
     ])
     dtypes = itertools.cycle((jnp.float32, jnp.float32, jnp.bfloat16))
     exchanges = itertools.cycle(("all_to_all", "all_gather"))
+    fuses = itertools.cycle((True, False))
     for i, (c, u, t) in enumerate(MESHES):
         local = H // (t * u)
         chunks = (1, 2, local)[i % 3] if local % 2 == 0 or i % 3 != 1 else 1
         ex = next(exchanges) if c > 1 else "all_gather"
-        yield (c, u, t), next(kv), chunks, next(extras), next(dtypes), bool(i % 2), ex
+        fuse = next(fuses) if u > 1 and ex != "all_to_all" else False  # Q, K, V in one Ulysses all-to-all
+        yield (c, u, t), next(kv), chunks, next(extras), next(dtypes), bool(i % 2), ex, fuse
 
 
-@pytest.mark.parametrize("cut,K,chunks,extra,dtype,causal,kv_exchange", list(_cases()))
-def test_nnx_matches_reference(cut, K, chunks, extra, dtype, causal, kv_exchange):
+@pytest.mark.parametrize("cut,K,chunks,extra,dtype,causal,kv_exchange,fuse", list(_cases()))
+def test_nnx_matches_reference(cut, K, chunks, extra, dtype, causal, kv_exchange, fuse):
     c, u, t = cut
     mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
     kw = dict(num_kv_heads=K, is_causal=causal, **extra)
     cp = jax_cp.CPAttention(D, H, head_dim=d, mesh=mesh, overlap_chunks=chunks, dtype=dtype, rngs=nnx.Rngs(0),
-                            kv_exchange=kv_exchange, **kw)
+                            kv_exchange=kv_exchange, fuse_qkv_exchange=fuse, **kw)
     x = jax.random.normal(jax.random.key(1), (B, S, D), jnp.float32).astype(dtype)
-    compare_with_reference(cp, kw, x, dtype, f"{cut=} {K=} {chunks=} {extra} {kv_exchange=}")
+    compare_with_reference(cp, kw, x, dtype, f"{cut=} {K=} {chunks=} {extra} {kv_exchange=} {fuse=}")
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 4])
@@ -152,6 +154,9 @@ def test_module_errors():
         jax_cp.CPAttention(D, 8, num_kv_heads=3, mesh=mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"in_features=30 is not divisible by num_heads=8"):
         jax_cp.CPAttention(30, 8, mesh=mesh, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"fuse_qkv_exchange=True cannot be combined with kv_exchange='all_to_all'.*"
+                                         r"Use kv_exchange='all_gather' or 'ring', or fuse_qkv_exchange=False"):
+        jax_cp.CPAttention(D, 8, mesh=mesh, kv_exchange="all_to_all", fuse_qkv_exchange=True, rngs=nnx.Rngs(0))
     attn = jax_cp.CPAttention(D, 8, mesh=mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"x.shape=\(2, 16, 16\) must be \(batch, seq_len, in_features=32\)"):
         attn(jnp.zeros((2, 16, 16)))

@@ -440,11 +440,27 @@ def test_auto_strategy_chooses_and_explains():
 
 def test_cli_prints_the_report():
     cmd = [sys.executable, "-m", "jax_cp.plan", "--topology", TOPO, "--model", "tiny", "--seq-len", "512",
-           "--cp-ulysses", "4", "--tp", "2"]
+           "--cp-ulysses", "4", "--tp", "2", "--fuse-qkv-exchange"]
     out = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    for needle in ("jax_cp plan: v5e:2x4", "overlap fraction fwd", "ESTIMATED step time", "all-to-all"):
+    for needle in ("jax_cp plan: v5e:2x4", "overlap fraction fwd", "ESTIMATED step time", "all-to-all",
+                   "fuse_qkv_exchange=True"):
         assert needle in out.stdout
     bad = subprocess.run([*cmd[:7], "--seq-len", "512", "--cp-ulysses", "3"],
                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "does not divide the topology's 8 devices" in bad.stderr
+
+
+def test_fused_qkv_exchange_sends_one_all_to_all_per_chunk():
+    """fuse_qkv_exchange=True on pure Ulysses: Q, K and V cross cp_ulysses in one all-to-all
+    (forward: that one and the output's), the same bytes as the two of the default (Q; K and V)."""
+    c, u, t = LAYOUTS["ulysses"]
+    fused = plan.analyze(cp_colossal=c, cp_ulysses=u, tp=t, fuse_qkv_exchange=True, baseline=False, **SMALL)
+    assert "fuse_qkv_exchange=True" in str(fused)
+    per_phase = {}
+    for a in (report("ulysses").analysis, fused.analysis):
+        fwd = a.schedule.select("fwd")
+        assert {(x.kind, x.axes) for x in fwd} == {("all-to-all", ("cp_ulysses",))}
+        per_phase[a is fused.analysis] = (len(fwd), sum(x.bytes for x in fwd))
+    assert per_phase[False][0] == 3 and per_phase[True][0] == 2
+    assert per_phase[False][1] == per_phase[True][1]

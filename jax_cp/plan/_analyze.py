@@ -173,7 +173,8 @@ def analyze_layout(topology: str, shape: LayerShape, c: int, u: int, t: int, *, 
 def analyze(
     *, topology: str, model: str | ModelSpec = "llama3-8b", seq_len: int, batch: int = 1,
     strategy: str = "manual", cp_colossal: int = 1, cp_ulysses: int = 1, tp: int = 1,
-    kv_exchange: str = "all_gather", overlap_chunks: int = 1, kernel: str = "blockwise", is_causal: bool = True,
+    kv_exchange: str = "all_gather", overlap_chunks: int = 1, fuse_qkv_exchange: bool = False,
+    kernel: str = "blockwise", is_causal: bool = True,
     dtype: str = "bfloat16", param_dtype: str = "float32", memory_budget: int | None = None,
     baseline: bool = True, candidates: int = 2, xla_flags: tuple[str, ...] | None = None,
 ) -> Report:
@@ -181,8 +182,8 @@ def analyze(
 
     ``strategy="manual"`` compiles the given ``cp_colossal × cp_ulysses × tp``
     (``dp`` takes the remaining devices). ``strategy="auto"`` chooses the
-    degrees, the K/V exchange and ``overlap_chunks`` itself (the given ones
-    are ignored): see ``Report.reasons``. ``memory_budget`` is bytes per
+    degrees, the K/V exchange, ``overlap_chunks`` and ``fuse_qkv_exchange``
+    itself (the given ones are ignored): see ``Report.reasons``. ``memory_budget`` is bytes per
     device (default: the chip's HBM). ``baseline=True`` also compiles the
     naive fused-QKV layer for comparison. ``kernel`` defaults to the portable
     blockwise kernel: TPU splash (what ``kernel="auto"`` picks on TPU) takes
@@ -195,7 +196,8 @@ def analyze(
     if memory_budget is not None and memory_budget <= 0:
         raise ValueError(f"memory_budget={memory_budget} must be a positive number of bytes.")
     shape = _layer_shape(model, batch=batch, seq_len=seq_len, kv_exchange=kv_exchange, kernel=kernel,
-                         overlap_chunks=overlap_chunks, is_causal=is_causal, dtype=dtype, param_dtype=param_dtype)
+                         overlap_chunks=overlap_chunks, fuse_qkv_exchange=fuse_qkv_exchange, is_causal=is_causal,
+                         dtype=dtype, param_dtype=param_dtype)
     if strategy == "manual":
         return analyze_layout(topology, shape, cp_colossal, cp_ulysses, tp, memory_budget=memory_budget,
                               baseline=baseline, xla_flags=xla_flags)
@@ -208,7 +210,9 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
     """``strategy="auto"``: rank layouts in closed form, compile the best ``candidates``, keep the fastest that fits.
 
     Each shortlisted layout is compiled with ``overlap_chunks`` 1 and 2 (where
-    the heads allow), since only the compiled schedule shows what chunking buys.
+    the heads allow), and with 2 chunks and ``fuse_qkv_exchange=True`` where
+    there is a Ulysses exchange to fuse, since only the compiled schedule shows
+    what chunking and fusing buy.
     When none fits the budget, up to ``2 * candidates`` more layouts are tried.
     """
     check_positive_int("candidates", candidates)
@@ -233,8 +237,9 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
             break
         if len(tried) >= 4 * candidates:
             break
-        for chunks in (1, 2):
-            s = dataclasses.replace(shape, kv_exchange=ex, overlap_chunks=chunks)
+        fusable = u > 1 and ex != "all_to_all"
+        for chunks, fuse in ((1, False), (2, False)) + (((2, True),) if fusable else ()):
+            s = dataclasses.replace(shape, kv_exchange=ex, overlap_chunks=chunks, fuse_qkv_exchange=fuse)
             if shape.num_heads % (t * u * chunks):
                 continue
             try:
@@ -247,7 +252,7 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
         a = r.analysis
         reasons.append(
             f"compiled ({r.mesh_shape['cp_colossal']},{r.mesh_shape['cp_ulysses']},{r.mesh_shape['tp']}) "
-            f"{s.kv_exchange} chunks={s.overlap_chunks}: est. {a.estimate.step_s * 1e3:.3f} ms, "
+            f"{s.kv_exchange} chunks={s.overlap_chunks}{' fused QKV' if s.fuse_qkv_exchange else ''}: est. {a.estimate.step_s * 1e3:.3f} ms, "
             f"memory {a.memory.total / 2**30:.2f} GiB {'fits' if a.memory.fits else 'does NOT fit'}, "
             f"overlap fwd {_fmt(a.overlap('fwd'))} bwd {_fmt(a.overlap('bwd'))}"
         )
@@ -259,7 +264,8 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
     m = best.mesh_shape
     reasons.append(
         f"chosen: cp_colossal={m['cp_colossal']} cp_ulysses={m['cp_ulysses']} tp={m['tp']} dp={m['dp']} "
-        f"kv_exchange={s.kv_exchange} overlap_chunks={s.overlap_chunks}: the lowest estimated step time "
+        f"kv_exchange={s.kv_exchange} overlap_chunks={s.overlap_chunks} fuse_qkv_exchange={s.fuse_qkv_exchange}: "
+        f"the lowest estimated step time "
         f"({best.analysis.estimate.step_s * 1e3:.3f} ms) among compiled layouts that fit {budget / 2**30:.2f} GiB."
     )
     base = None
