@@ -92,7 +92,10 @@ def _ring_bwd(axis_name, spec, res, do):
         nxt = _shift(kv, axis_name, c, -1)
         return *attend(dq, acc, kv), nxt
 
-    kv = _shift(home, axis_name, c, -1)
+    # The first transfer waits for the output cotangent: it depends on forward residuals
+    # only, and XLA would hoist it into the forward pass, keeping a K/V chunk alive there
+    # and taking collective slots from the forward's own exchanges.
+    kv = _shift(lax.optimization_barrier((home, do))[0], axis_name, c, -1)
     nxt = _shift(kv, axis_name, c, -1) if c > 2 else None
     dq, dk, dv = grads(kv)  # step 0 starts the accumulator of chunk r+1
     if c > 2:
