@@ -6,9 +6,10 @@ attention layer (D=4096, 32 heads, 8 kv heads, head dim 128, bf16, causal, RoPE)
 * ``naive``: one fused QKV projection, then every collective (the baseline);
 * ``CPAttention``: the library layer, ``overlap_chunks`` 1, 2 and 4, with each
   K/V exchange: ``all_gather`` (``cp``), ``all_to_all`` (``cp-a2a``) and
-  ``ring`` (``cp-ring``) where there is a ``cp_colossal`` axis, and with
-  ``fuse_qkv_exchange=True`` (``cp-fused``, ``cp-ring-fused``) where there is a
-  ``cp_ulysses`` axis;
+  ``ring`` (``cp-ring``) where there is a ``cp_colossal`` axis, and with Q, K
+  and V in one all-to-all where there is a ``cp_ulysses`` axis:
+  ``fused_qkv_chunks`` = every chunk (``cp-fused``, ``cp-ring-fused``) or the
+  first chunk only (``cp-fused1``, ``cp-ring-fused1``, 2 and 4 chunks);
 
 and prints a markdown table: overlap fraction forward / backward (share of CP
 collective bytes with a matmul scheduled between start and done), per-device
@@ -40,11 +41,11 @@ CASES = {
 }
 
 
-def cp_layer_with(kv_exchange: str, fuse_qkv_exchange: bool = False):
-    """``CPAttention(kv_exchange=..., fuse_qkv_exchange=...)``."""
+def cp_layer_with(kv_exchange: str, fused: str = "none"):
+    """``CPAttention(kv_exchange=..., fused_qkv_chunks=...)``; ``fused``: "none", "all" or "first" chunk."""
     def build(shape: plan.LayerShape, mesh):
-        return plan.cp_layer(
-            dataclasses.replace(shape, kv_exchange=kv_exchange, fuse_qkv_exchange=fuse_qkv_exchange), mesh)
+        k = {"none": 0, "all": shape.overlap_chunks, "first": 1}[fused]
+        return plan.cp_layer(dataclasses.replace(shape, kv_exchange=kv_exchange, fused_qkv_chunks=k), mesh)
     return build
 
 
@@ -53,8 +54,10 @@ VARIANTS = {
     "cp": ("CPAttention", plan.cp_layer, (1, 2, 4), False, False),
     "cp-ring": ("CPAttention ring", cp_layer_with("ring"), (1, 2, 4), True, False),
     "cp-a2a": ("CPAttention all_to_all", cp_layer_with("all_to_all"), (1, 2, 4), True, False),
-    "cp-fused": ("CPAttention fused QKV", cp_layer_with("all_gather", True), (1, 2, 4), False, True),
-    "cp-ring-fused": ("CPAttention ring fused QKV", cp_layer_with("ring", True), (1, 2, 4), True, True),
+    "cp-fused": ("CPAttention fused QKV", cp_layer_with("all_gather", "all"), (1, 2, 4), False, True),
+    "cp-fused1": ("CPAttention first chunk fused", cp_layer_with("all_gather", "first"), (2, 4), False, True),
+    "cp-ring-fused": ("CPAttention ring fused QKV", cp_layer_with("ring", "all"), (1, 2, 4), True, True),
+    "cp-ring-fused1": ("CPAttention ring first chunk fused", cp_layer_with("ring", "first"), (2, 4), True, True),
     "naive": ("naive fused QKV", plan.naive_layer, (1,), False, False),
 }
 
@@ -62,7 +65,7 @@ VARIANTS = {
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--topology", action="append", help="repeatable; default: " + ", ".join(CASES))
-    p.add_argument("--variants", default="naive,cp,cp-a2a,cp-ring,cp-fused,cp-ring-fused", help="comma-separated: " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default="naive,cp,cp-a2a,cp-ring,cp-fused,cp-fused1,cp-ring-fused,cp-ring-fused1", help="comma-separated: " + ", ".join(VARIANTS))
     p.add_argument("--kernel", default="blockwise")
     p.add_argument("--layouts", default="Ulysses,all-gather,hybrid")
     args = p.parse_args(argv)

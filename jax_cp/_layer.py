@@ -45,7 +45,7 @@ class LayerConfig:
     overlap_chunks: int = 1
     kernel: str = "auto"
     kv_exchange: str = "all_gather"
-    fuse_qkv_exchange: bool = False
+    fused_qkv_chunks: int = 0
 
     def __post_init__(self):
         check_positive_fields(self, ("in_features", "num_heads", "num_kv_heads", "head_dim", "overlap_chunks"))
@@ -59,11 +59,15 @@ class LayerConfig:
         _kernels.check_kernel(self.kernel)
         if self.kv_exchange not in KV_EXCHANGES:
             raise ValueError(f"kv_exchange={self.kv_exchange!r} must be one of {KV_EXCHANGES}.")
-        if self.fuse_qkv_exchange and self.kv_exchange == "all_to_all":
+        f = self.fused_qkv_chunks
+        if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f <= self.overlap_chunks:
+            raise ValueError(f"fused_qkv_chunks={f!r} must be an integer from 0 to overlap_chunks={self.overlap_chunks} "
+                             "(how many leading head chunks send Q, K and V in one all-to-all).")
+        if f and self.kv_exchange == "all_to_all":
             raise ValueError(
-                "fuse_qkv_exchange=True cannot be combined with kv_exchange='all_to_all': K and V then take "
+                f"fused_qkv_chunks={f} cannot be combined with kv_exchange='all_to_all': K and V then take "
                 "their own all-to-all over both CP axes. Use kv_exchange='all_gather' or 'ring', or "
-                "fuse_qkv_exchange=False."
+                "fused_qkv_chunks=0."
             )
 
 
@@ -162,16 +166,16 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, cfg: LayerConfig, layout
     # One pipeline stage per head chunk: chunk i's collectives and attention are
     # independent of chunk i+1's matmuls, so XLA can hide one under the other.
     y = 0
-    for ws, bs, cwo in zip(
+    for i, (ws, bs, cwo) in enumerate(zip(
         zip(_chunks(wq, n, 1), _chunks(wk, n, 1), _chunks(wv, n, 1)),
         zip(*(_chunks(b, n, 0) if b is not None else [None] * n for b in (bq, bk, bv))), _chunks(wo, n, 0),
-    ):
+    )):
         def project(idx):  # projections with QK-norm and RoPE on the local tokens, before any exchange
-            return project_parts(x, tuple(ws[i] for i in idx), tuple(bs[i] for i in idx),
-                                 tuple(norms[i] for i in idx), pos_local, dtype, cfg.rope_theta,
-                                 tuple(i < 2 for i in idx))  # RoPE on q and k
+            return project_parts(x, tuple(ws[j] for j in idx), tuple(bs[j] for j in idx),
+                                 tuple(norms[j] for j in idx), pos_local, dtype, cfg.rope_theta,
+                                 tuple(j < 2 for j in idx))  # RoPE on q and k
 
-        if cfg.fuse_qkv_exchange:  # Q, K and V cross cp_ulysses in one all-to-all
+        if i < cfg.fused_qkv_chunks:  # Q, K and V cross cp_ulysses in one all-to-all
             q, k, v = exchange_heads(project((0, 1, 2)), ULYSSES)
         else:  # Q in its own all-to-all, issued before the K/V projections; K and V together
             (q,) = exchange_heads(project((0,)), ULYSSES)

@@ -36,22 +36,23 @@ class CPAttention(nnx.Module):
     attention. ``kernel`` picks the local attention kernel, ``kv_exchange`` the
     colossal K/V exchange: ``"all_gather"``, ``"all_to_all"`` (the same gather as
     an all-to-all, asynchronous on every TPU generation) or ``"ring"``.
-    ``fuse_qkv_exchange=True`` sends Q, K and V over ``cp_ulysses`` in one
-    all-to-all per chunk instead of two (Q; K and V): the same bytes in fewer
-    collectives, which some TPU schedules hide better (see the planner figures).
+    ``fused_qkv_chunks=k`` sends Q, K and V of the first ``k`` head chunks over
+    ``cp_ulysses`` in one all-to-all instead of two (Q; K and V): the same bytes
+    in fewer collectives, which some TPU schedules hide better (the planner
+    measures it; ``0`` none, ``overlap_chunks`` every chunk).
     """
 
     def __init__(self, in_features: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, mesh, is_causal: bool = False, use_qk_norm: bool = False,
                  rope_theta: float | None = None, use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
                  kernel_init=nnx.initializers.lecun_normal(), overlap_chunks: int | None = None,
-                 kernel: str = "auto", kv_exchange: str = "all_gather", fuse_qkv_exchange: bool = False,
+                 kernel: str = "auto", kv_exchange: str = "all_gather", fused_qkv_chunks: int = 0,
                  rngs: nnx.Rngs):
         dims = mesh_dims(mesh)
         self.config = make_config(in_features, num_heads, num_kv_heads, head_dim, is_causal=is_causal,
                                   use_qk_norm=use_qk_norm, rope_theta=rope_theta, use_bias=use_bias,
                                   overlap_chunks=overlap_chunks, kernel=kernel, kv_exchange=kv_exchange,
-                                  fuse_qkv_exchange=fuse_qkv_exchange)
+                                  fused_qkv_chunks=fused_qkv_chunks)
         self.mesh = mesh
         self.dtype = dtype
         specs = param_specs(self.config, layout_for(self.config, dims))

@@ -35,14 +35,14 @@ class CPAttention(nn.Module):
     overlap_chunks: int | None = None
     kernel: str = "auto"
     kv_exchange: str = "all_gather"
-    fuse_qkv_exchange: bool = False
+    fused_qkv_chunks: int = 0
 
     @nn.compact
     def __call__(self, x, *, positions=None, segment_ids=None, local_window_size=None):
         cfg = make_config(self.in_features, self.num_heads, self.num_kv_heads, self.head_dim,
                           is_causal=self.is_causal, use_qk_norm=self.use_qk_norm, rope_theta=self.rope_theta,
                           use_bias=self.use_bias, overlap_chunks=self.overlap_chunks, kernel=self.kernel,
-                          kv_exchange=self.kv_exchange, fuse_qkv_exchange=self.fuse_qkv_exchange)
+                          kv_exchange=self.kv_exchange, fused_qkv_chunks=self.fused_qkv_chunks)
         specs = param_specs(cfg, layout_for(cfg, mesh_dims(self.mesh)))
         params = {}
         for name, shape in param_shapes(cfg).items():

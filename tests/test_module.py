@@ -53,19 +53,20 @@ def _cases():
         local = H // (t * u)
         chunks = (1, 2, local)[i % 3] if local % 2 == 0 or i % 3 != 1 else 1
         ex = next(exchanges) if c > 1 else "all_gather"
-        fuse = next(fuses) if u > 1 and ex != "all_to_all" else False  # Q, K, V in one Ulysses all-to-all
-        yield (c, u, t), next(kv), chunks, next(extras), next(dtypes), bool(i % 2), ex, fuse
+        # Q, K, V in one Ulysses all-to-all: every chunk, or the first of several
+        fused = (chunks if next(fuses) or chunks == 1 else 1) if u > 1 and ex != "all_to_all" else 0
+        yield (c, u, t), next(kv), chunks, next(extras), next(dtypes), bool(i % 2), ex, fused
 
 
-@pytest.mark.parametrize("cut,K,chunks,extra,dtype,causal,kv_exchange,fuse", list(_cases()))
-def test_nnx_matches_reference(cut, K, chunks, extra, dtype, causal, kv_exchange, fuse):
+@pytest.mark.parametrize("cut,K,chunks,extra,dtype,causal,kv_exchange,fused", list(_cases()))
+def test_nnx_matches_reference(cut, K, chunks, extra, dtype, causal, kv_exchange, fused):
     c, u, t = cut
     mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
     kw = dict(num_kv_heads=K, is_causal=causal, **extra)
     cp = jax_cp.CPAttention(D, H, head_dim=d, mesh=mesh, overlap_chunks=chunks, dtype=dtype, rngs=nnx.Rngs(0),
-                            kv_exchange=kv_exchange, fuse_qkv_exchange=fuse, **kw)
+                            kv_exchange=kv_exchange, fused_qkv_chunks=fused, **kw)
     x = jax.random.normal(jax.random.key(1), (B, S, D), jnp.float32).astype(dtype)
-    compare_with_reference(cp, kw, x, dtype, f"{cut=} {K=} {chunks=} {extra} {kv_exchange=} {fuse=}")
+    compare_with_reference(cp, kw, x, dtype, f"{cut=} {K=} {chunks=} {extra} {kv_exchange=} {fused=}")
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 4])
@@ -154,9 +155,12 @@ def test_module_errors():
         jax_cp.CPAttention(D, 8, num_kv_heads=3, mesh=mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"in_features=30 is not divisible by num_heads=8"):
         jax_cp.CPAttention(30, 8, mesh=mesh, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"fuse_qkv_exchange=True cannot be combined with kv_exchange='all_to_all'.*"
-                                         r"Use kv_exchange='all_gather' or 'ring', or fuse_qkv_exchange=False"):
-        jax_cp.CPAttention(D, 8, mesh=mesh, kv_exchange="all_to_all", fuse_qkv_exchange=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"fused_qkv_chunks=1 cannot be combined with kv_exchange='all_to_all'.*"
+                                         r"Use kv_exchange='all_gather' or 'ring', or fused_qkv_chunks=0"):
+        jax_cp.CPAttention(D, 8, mesh=mesh, kv_exchange="all_to_all", fused_qkv_chunks=1, rngs=nnx.Rngs(0))
+    for bad in (3, -1, True):
+        with pytest.raises(ValueError, match=rf"fused_qkv_chunks={bad!r} must be an integer from 0 to overlap_chunks=2"):
+            jax_cp.CPAttention(D, 16, mesh=mesh, overlap_chunks=2, fused_qkv_chunks=bad, rngs=nnx.Rngs(0))
     attn = jax_cp.CPAttention(D, 8, mesh=mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"x.shape=\(2, 16, 16\) must be \(batch, seq_len, in_features=32\)"):
         attn(jnp.zeros((2, 16, 16)))

@@ -440,11 +440,11 @@ def test_auto_strategy_chooses_and_explains():
 
 def test_cli_prints_the_report():
     cmd = [sys.executable, "-m", "jax_cp.plan", "--topology", TOPO, "--model", "tiny", "--seq-len", "512",
-           "--cp-ulysses", "4", "--tp", "2", "--fuse-qkv-exchange"]
+           "--cp-ulysses", "4", "--tp", "2", "--fused-qkv-chunks", "1"]
     out = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     for needle in ("jax_cp plan: v5e:2x4", "overlap fraction fwd", "ESTIMATED step time", "all-to-all",
-                   "fuse_qkv_exchange=True"):
+                   "fused_qkv_chunks=1"):
         assert needle in out.stdout
     bad = subprocess.run([*cmd[:7], "--seq-len", "512", "--cp-ulysses", "3"],
                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
@@ -452,11 +452,11 @@ def test_cli_prints_the_report():
 
 
 def test_fused_qkv_exchange_sends_one_all_to_all_per_chunk():
-    """fuse_qkv_exchange=True on pure Ulysses: Q, K and V cross cp_ulysses in one all-to-all
+    """fused_qkv_chunks=1 on pure Ulysses: Q, K and V cross cp_ulysses in one all-to-all
     (forward: that one and the output's), the same bytes as the two of the default (Q; K and V)."""
     c, u, t = LAYOUTS["ulysses"]
-    fused = plan.analyze(cp_colossal=c, cp_ulysses=u, tp=t, fuse_qkv_exchange=True, baseline=False, **SMALL)
-    assert "fuse_qkv_exchange=True" in str(fused)
+    fused = plan.analyze(cp_colossal=c, cp_ulysses=u, tp=t, fused_qkv_chunks=1, baseline=False, **SMALL)
+    assert "fused_qkv_chunks=1" in str(fused)
     per_phase = {}
     for a in (report("ulysses").analysis, fused.analysis):
         fwd = a.schedule.select("fwd")

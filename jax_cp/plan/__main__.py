@@ -28,8 +28,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--kv-exchange", default="all_gather")
     p.add_argument("--overlap-chunks", type=int, default=1)
-    p.add_argument("--fuse-qkv-exchange", action="store_true",
-                   help="Q, K and V in one cp_ulysses all-to-all per chunk (CPAttention(fuse_qkv_exchange=True))")
+    p.add_argument("--fused-qkv-chunks", type=int, default=0,
+                   help="leading head chunks whose Q, K and V share one cp_ulysses all-to-all "
+                        "(CPAttention(fused_qkv_chunks=...))")
     p.add_argument("--kernel", default="blockwise",
                    help="local attention kernel; 'auto' = splash on TPU, slow to compile at long S")
     p.add_argument("--no-causal", action="store_true", help="full (bidirectional) attention")
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
         report = analyze(
             topology=args.topology, model=args.model, seq_len=args.seq_len, batch=batch, strategy=args.strategy,
             cp_colossal=args.cp_colossal, cp_ulysses=args.cp_ulysses, tp=args.tp, kv_exchange=args.kv_exchange,
-            overlap_chunks=args.overlap_chunks, fuse_qkv_exchange=args.fuse_qkv_exchange, kernel=args.kernel, is_causal=not args.no_causal,
+            overlap_chunks=args.overlap_chunks, fused_qkv_chunks=args.fused_qkv_chunks, kernel=args.kernel, is_causal=not args.no_causal,
             dtype=args.dtype, param_dtype=args.param_dtype, memory_budget=budget, baseline=not args.no_baseline,
             candidates=args.candidates, xla_flags=None if args.xla_flags is None else tuple(args.xla_flags.split()),
         )

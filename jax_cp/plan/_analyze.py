@@ -173,7 +173,7 @@ def analyze_layout(topology: str, shape: LayerShape, c: int, u: int, t: int, *, 
 def analyze(
     *, topology: str, model: str | ModelSpec = "llama3-8b", seq_len: int, batch: int = 1,
     strategy: str = "manual", cp_colossal: int = 1, cp_ulysses: int = 1, tp: int = 1,
-    kv_exchange: str = "all_gather", overlap_chunks: int = 1, fuse_qkv_exchange: bool = False,
+    kv_exchange: str = "all_gather", overlap_chunks: int = 1, fused_qkv_chunks: int = 0,
     kernel: str = "blockwise", is_causal: bool = True,
     dtype: str = "bfloat16", param_dtype: str = "float32", memory_budget: int | None = None,
     baseline: bool = True, candidates: int = 2, xla_flags: tuple[str, ...] | None = None,
@@ -182,7 +182,7 @@ def analyze(
 
     ``strategy="manual"`` compiles the given ``cp_colossal × cp_ulysses × tp``
     (``dp`` takes the remaining devices). ``strategy="auto"`` chooses the
-    degrees, the K/V exchange, ``overlap_chunks`` and ``fuse_qkv_exchange``
+    degrees, the K/V exchange, ``overlap_chunks`` and ``fused_qkv_chunks``
     itself (the given ones are ignored): see ``Report.reasons``. ``memory_budget`` is bytes per
     device (default: the chip's HBM). ``baseline=True`` also compiles the
     naive fused-QKV layer for comparison. ``kernel`` defaults to the portable
@@ -196,7 +196,7 @@ def analyze(
     if memory_budget is not None and memory_budget <= 0:
         raise ValueError(f"memory_budget={memory_budget} must be a positive number of bytes.")
     shape = _layer_shape(model, batch=batch, seq_len=seq_len, kv_exchange=kv_exchange, kernel=kernel,
-                         overlap_chunks=overlap_chunks, fuse_qkv_exchange=fuse_qkv_exchange, is_causal=is_causal,
+                         overlap_chunks=overlap_chunks, fused_qkv_chunks=fused_qkv_chunks, is_causal=is_causal,
                          dtype=dtype, param_dtype=param_dtype)
     if strategy == "manual":
         return analyze_layout(topology, shape, cp_colossal, cp_ulysses, tp, memory_budget=memory_budget,
@@ -210,9 +210,10 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
     """``strategy="auto"``: rank layouts in closed form, compile the best ``candidates``, keep the fastest that fits.
 
     Each shortlisted layout is compiled with ``overlap_chunks`` 1 and 2 (where
-    the heads allow), and with 2 chunks and ``fuse_qkv_exchange=True`` where
-    there is a Ulysses exchange to fuse, since only the compiled schedule shows
-    what chunking and fusing buy.
+    the heads allow) and, where there is a Ulysses exchange to fuse, with 2
+    chunks both fused and with 4 chunks the first fused
+    (``fused_qkv_chunks``): only the compiled schedule shows what chunking
+    and fusing buy.
     When none fits the budget, up to ``2 * candidates`` more layouts are tried.
     """
     check_positive_int("candidates", candidates)
@@ -232,14 +233,13 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
     reasons.append("closed-form ranking (FLOPs/peak + wire bytes/ICI, no overlap): " + ", ".join(
         f"({c},{u},{t}) {ex}" for c, u, t, ex in layouts[:candidates + 2]) + " ...")
     tried = []
-    for c, u, t, ex in layouts:  # the best `candidates` layouts; further ones only while none fits
-        if len(tried) >= 2 * candidates and any(r.analysis.memory.fits for r, _ in tried):
+    for n_layouts, (c, u, t, ex) in enumerate(layouts):  # the best `candidates`; more only while none fits
+        if n_layouts >= candidates and any(r.analysis.memory.fits for r, _ in tried):
             break
-        if len(tried) >= 4 * candidates:
+        if n_layouts >= 3 * candidates:
             break
-        fusable = u > 1 and ex != "all_to_all"
-        for chunks, fuse in ((1, False), (2, False)) + (((2, True),) if fusable else ()):
-            s = dataclasses.replace(shape, kv_exchange=ex, overlap_chunks=chunks, fuse_qkv_exchange=fuse)
+        for chunks, fused in ((1, 0), (2, 0)) + (((2, 2), (4, 1)) if u > 1 and ex != "all_to_all" else ()):
+            s = dataclasses.replace(shape, kv_exchange=ex, overlap_chunks=chunks, fused_qkv_chunks=fused)
             if shape.num_heads % (t * u * chunks):
                 continue
             try:
@@ -252,7 +252,7 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
         a = r.analysis
         reasons.append(
             f"compiled ({r.mesh_shape['cp_colossal']},{r.mesh_shape['cp_ulysses']},{r.mesh_shape['tp']}) "
-            f"{s.kv_exchange} chunks={s.overlap_chunks}{' fused QKV' if s.fuse_qkv_exchange else ''}: est. {a.estimate.step_s * 1e3:.3f} ms, "
+            f"{s.kv_exchange} chunks={s.overlap_chunks}{f' fused={s.fused_qkv_chunks}' if s.fused_qkv_chunks else ''}: est. {a.estimate.step_s * 1e3:.3f} ms, "
             f"memory {a.memory.total / 2**30:.2f} GiB {'fits' if a.memory.fits else 'does NOT fit'}, "
             f"overlap fwd {_fmt(a.overlap('fwd'))} bwd {_fmt(a.overlap('bwd'))}"
         )
@@ -264,7 +264,7 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
     m = best.mesh_shape
     reasons.append(
         f"chosen: cp_colossal={m['cp_colossal']} cp_ulysses={m['cp_ulysses']} tp={m['tp']} dp={m['dp']} "
-        f"kv_exchange={s.kv_exchange} overlap_chunks={s.overlap_chunks} fuse_qkv_exchange={s.fuse_qkv_exchange}: "
+        f"kv_exchange={s.kv_exchange} overlap_chunks={s.overlap_chunks} fused_qkv_chunks={s.fused_qkv_chunks}: "
         f"the lowest estimated step time "
         f"({best.analysis.estimate.step_s * 1e3:.3f} ms) among compiled layouts that fit {budget / 2**30:.2f} GiB."
     )

@@ -41,7 +41,7 @@ class LayerShape:
     kernel: str = "auto"
     kv_exchange: str = "all_gather"
     overlap_chunks: int = 1
-    fuse_qkv_exchange: bool = False
+    fused_qkv_chunks: int = 0
 
     def __post_init__(self):
         check_positive_fields(
@@ -81,7 +81,7 @@ def cp_layer(shape: LayerShape, mesh):
             shape.d_model, shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, mesh=mesh,
             is_causal=shape.is_causal, rope_theta=shape.rope_theta, dtype=jnp.dtype(shape.dtype),
             param_dtype=jnp.dtype(shape.param_dtype), overlap_chunks=shape.overlap_chunks, kernel=shape.kernel,
-            kv_exchange=shape.kv_exchange, fuse_qkv_exchange=shape.fuse_qkv_exchange, rngs=nnx.Rngs(0),
+            kv_exchange=shape.kv_exchange, fused_qkv_chunks=shape.fused_qkv_chunks, rngs=nnx.Rngs(0),
         )
 
     graphdef, state = nnx.split(nnx.eval_shape(make))

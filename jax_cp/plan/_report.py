@@ -134,7 +134,7 @@ def format_report(r: Report) -> str:
         f"jax_cp plan: {r.topology} ({r.chip.device_kind}), mesh {mesh}",
         f"layer: B={L.batch} S={L.seq_len} D={L.d_model} H={L.num_heads} K={L.num_kv_heads} d={L.head_dim} "
         f"dtype={L.dtype} params={L.param_dtype} causal={L.is_causal} kernel={L.kernel} "
-        f"kv_exchange={L.kv_exchange} overlap_chunks={L.overlap_chunks} fuse_qkv_exchange={L.fuse_qkv_exchange}",
+        f"kv_exchange={L.kv_exchange} overlap_chunks={L.overlap_chunks} fused_qkv_chunks={L.fused_qkv_chunks}",
         f"flags: {r.flags or '(none)'}",
         "",
     ]
