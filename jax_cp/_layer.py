@@ -61,8 +61,9 @@ class LayerConfig:
             raise ValueError(f"kv_exchange={self.kv_exchange!r} must be one of {KV_EXCHANGES}.")
         f = self.fused_qkv_chunks
         if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f <= self.overlap_chunks:
-            raise ValueError(f"fused_qkv_chunks={f!r} must be an integer from 0 to overlap_chunks={self.overlap_chunks} "
-                             "(how many leading head chunks send Q, K and V in one all-to-all).")
+            raise ValueError(f"fused_qkv_chunks={f!r} must be an integer from 0 to "
+                             f"overlap_chunks={self.overlap_chunks} (how many leading head chunks send "
+                             "Q, K and V in one all-to-all).")
         if f and self.kv_exchange == "all_to_all":
             raise ValueError(
                 f"fused_qkv_chunks={f} cannot be combined with kv_exchange='all_to_all': K and V then take "

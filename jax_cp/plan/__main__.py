@@ -58,7 +58,8 @@ def main(argv=None) -> int:
         report = analyze(
             topology=args.topology, model=args.model, seq_len=args.seq_len, batch=batch, strategy=args.strategy,
             cp_colossal=args.cp_colossal, cp_ulysses=args.cp_ulysses, tp=args.tp, kv_exchange=args.kv_exchange,
-            overlap_chunks=args.overlap_chunks, fused_qkv_chunks=args.fused_qkv_chunks, kernel=args.kernel, is_causal=not args.no_causal,
+            overlap_chunks=args.overlap_chunks, fused_qkv_chunks=args.fused_qkv_chunks, kernel=args.kernel,
+            is_causal=not args.no_causal,
             dtype=args.dtype, param_dtype=args.param_dtype, memory_budget=budget, baseline=not args.no_baseline,
             candidates=args.candidates, xla_flags=None if args.xla_flags is None else tuple(args.xla_flags.split()),
         )

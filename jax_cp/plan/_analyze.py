@@ -183,8 +183,8 @@ def analyze(
     ``strategy="manual"`` compiles the given ``cp_colossal × cp_ulysses × tp``
     (``dp`` takes the remaining devices). ``strategy="auto"`` chooses the
     degrees, the K/V exchange, ``overlap_chunks`` and ``fused_qkv_chunks``
-    itself (the given ones are ignored): see ``Report.reasons``. ``memory_budget`` is bytes per
-    device (default: the chip's HBM). ``baseline=True`` also compiles the
+    itself (the given ones are ignored): see ``Report.reasons``.
+    ``memory_budget`` is bytes per device (default: the chip's HBM). ``baseline=True`` also compiles the
     naive fused-QKV layer for comparison. ``kernel`` defaults to the portable
     blockwise kernel: TPU splash (what ``kernel="auto"`` picks on TPU) takes
     minutes to compile at long sequences; pass ``kernel="auto"`` to plan with
@@ -250,9 +250,10 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
             tried.append((r, s))
     for r, s in tried:
         a = r.analysis
+        fused = f" fused={s.fused_qkv_chunks}" if s.fused_qkv_chunks else ""
         reasons.append(
             f"compiled ({r.mesh_shape['cp_colossal']},{r.mesh_shape['cp_ulysses']},{r.mesh_shape['tp']}) "
-            f"{s.kv_exchange} chunks={s.overlap_chunks}{f' fused={s.fused_qkv_chunks}' if s.fused_qkv_chunks else ''}: est. {a.estimate.step_s * 1e3:.3f} ms, "
+            f"{s.kv_exchange} chunks={s.overlap_chunks}{fused}: est. {a.estimate.step_s * 1e3:.3f} ms, "
             f"memory {a.memory.total / 2**30:.2f} GiB {'fits' if a.memory.fits else 'does NOT fit'}, "
             f"overlap fwd {_fmt(a.overlap('fwd'))} bwd {_fmt(a.overlap('bwd'))}"
         )
