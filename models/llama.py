@@ -167,13 +167,12 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, *, mesh, sharding: Sharding, dtype, kernel: str, kv_exchange: str,
-                 rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, *, mesh, sharding: Sharding, dtype, attention: dict, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, mesh=mesh, sharding=sharding)
         self.attn = jax_cp.CPAttention(
             cfg.d_model, cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, mesh=mesh,
             is_causal=True, use_qk_norm=cfg.use_qk_norm, rope_theta=cfg.rope_theta, dtype=dtype,
-            kernel=kernel, kv_exchange=kv_exchange, rngs=rngs,
+            rngs=rngs, **attention,
         )
         if sharding.fsdp:  # re-store the attention weights over dp too; CPAttention gathers them per call
             for name, param in nnx.iter_graph(self.attn):
@@ -196,18 +195,22 @@ class Llama(nnx.Module):
     ``positions`` are the global positions of the tokens in the order given
     (after load-balance reordering, or restarting at each packed document);
     ``segment_ids`` keep packed documents apart. The residual stream is float32.
+    ``kernel``, ``kv_exchange``, ``overlap_chunks`` and ``fused_qkv_chunks`` go to
+    every layer's ``jax_cp.CPAttention`` (``jax_cp.plan`` compares them for a pod).
     """
 
     def __init__(self, cfg: LlamaConfig, *, mesh, dtype=jnp.bfloat16, fsdp: bool = False, remat: bool = False,
-                 kernel: str = "auto", kv_exchange: str = "all_gather", rngs: nnx.Rngs):
+                 kernel: str = "auto", kv_exchange: str = "all_gather", overlap_chunks: int = 1,
+                 fused_qkv_chunks: int = 0, rngs: nnx.Rngs):
         self.cfg, self.mesh, self.dtype, self.remat = cfg, mesh, jnp.dtype(dtype), remat
         self.sharding = sharding = Sharding(fsdp=fsdp)
         V, D = cfg.vocab_size, cfg.d_model
         embed = nnx.initializers.normal(0.02)(rngs.params(), (V, D), jnp.float32)
         self.embed = _param(mesh, sharding, embed, P(TP, None))
         self.blocks = nnx.List([
-            Block(cfg, mesh=mesh, sharding=sharding, dtype=self.dtype, kernel=kernel, kv_exchange=kv_exchange,
-                  rngs=rngs)
+            Block(cfg, mesh=mesh, sharding=sharding, dtype=self.dtype, rngs=rngs, attention=dict(
+                kernel=kernel, kv_exchange=kv_exchange, overlap_chunks=overlap_chunks,
+                fused_qkv_chunks=fused_qkv_chunks))
             for _ in range(cfg.num_layers)
         ])
         self.final_norm = RMSNorm(D, eps=cfg.norm_eps, mesh=mesh, sharding=sharding)

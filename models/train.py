@@ -69,6 +69,8 @@ class TrainConfig:
     dtype: str = "bfloat16"
     kv_exchange: str = "all_gather"
     kernel: str = "auto"
+    overlap_chunks: int = 1
+    fused_qkv_chunks: int = 0
     load_balance: bool = True
     remat: bool = False
     data: str | None = None
@@ -89,7 +91,8 @@ class TrainConfig:
     def __post_init__(self):
         from models.llama import CONFIGS
 
-        positive = ["cp_colossal", "cp_ulysses", "tp", "seq_len", "batch", "steps", "heartbeat_timeout"]
+        positive = ["cp_colossal", "cp_ulysses", "tp", "seq_len", "batch", "steps", "heartbeat_timeout",
+                    "overlap_chunks"]
         positive += [n for n in ("devices", "dp", "num_processes") if getattr(self, n) is not None]
         for name in positive:
             value = getattr(self, name)
@@ -149,6 +152,10 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default=d.dtype, help="compute dtype")
     g.add_argument("--kv-exchange", default=d.kv_exchange, help="colossal K/V exchange (see jax_cp)")
     g.add_argument("--kernel", default=d.kernel, help="local attention kernel (see jax_cp.kernels)")
+    g.add_argument("--overlap-chunks", type=int, default=d.overlap_chunks,
+                   help="head chunks per attention layer, to overlap exchanges with compute (see jax_cp)")
+    g.add_argument("--fused-qkv-chunks", type=int, default=d.fused_qkv_chunks,
+                   help="leading chunks whose Q, K and V share one Ulysses all-to-all (see jax_cp.plan)")
     g.add_argument("--no-load-balance", dest="load_balance", action="store_false",
                    help="keep the natural sequence order (causal load balancing is on by default)")
     g.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
@@ -261,7 +268,8 @@ def _check_same_flags(cfg: TrainConfig) -> None:
 
 def _model_kwargs(cfg: TrainConfig) -> dict:
     return dict(dtype=jnp.dtype(cfg.dtype), fsdp=cfg.fsdp, remat=cfg.remat, kernel=cfg.kernel,
-                kv_exchange=cfg.kv_exchange)
+                kv_exchange=cfg.kv_exchange, overlap_chunks=cfg.overlap_chunks,
+                fused_qkv_chunks=cfg.fused_qkv_chunks)
 
 
 def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:

@@ -196,11 +196,13 @@ def test_global_batch_is_the_balanced_order_of_the_windows(corpus):
 
 @needs_devices(8)
 def test_cp_equals_no_cp(corpus, tmp_path):
-    """Same seed and data: 5 steps on a (cp_colossal=2, cp_ulysses=2, tp=2) mesh, load-balanced, and on
-    one device give the same losses (float32 compute)."""
+    """Same seed and data: 5 steps on a (cp_colossal=2, cp_ulysses=2, tp=2) mesh, load-balanced, with
+    two head chunks per layer (the first with Q, K and V in one all-to-all), and on one device give
+    the same losses (float32 compute)."""
     common = dict(model="tiny", seq_len=32, batch=2, steps=5, warmup=1, dtype="float32", data=str(corpus),
                   checkpoint_every=0, eval_batches=0, progress=False)
-    cp = train.run(train.TrainConfig(cp_colossal=2, cp_ulysses=2, tp=2, out=str(tmp_path / "cp"), **common))
+    cp = train.run(train.TrainConfig(cp_colossal=2, cp_ulysses=2, tp=2, overlap_chunks=2, fused_qkv_chunks=1,
+                                     out=str(tmp_path / "cp"), **common))
     one = train.run(train.TrainConfig(out=str(tmp_path / "one"), **common), devices=jax.devices()[:1])
     assert cp["mesh"] == {"dp": 1, "c": 2, "u": 2, "t": 2} and one["mesh"] == {"dp": 1, "c": 1, "u": 1, "t": 1}
     steps = sorted(one["losses"])
@@ -305,6 +307,7 @@ def test_a_dead_process_fails_the_other(corpus, cache_env, tmp_path):
     (["--data", "/nonexistent/corpus"], r"--data /nonexistent/corpus: no such file or folder"),
     (["--warmup", "400"], r"--warmup=400 must be smaller than --steps=300"),
     (["--tp", "0"], r"--tp=0 must be a positive integer"),
+    (["--overlap-chunks", "0"], r"--overlap-chunks=0 must be a positive integer"),
     (["--coordinator", "localhost:1"], r"multi-process runs need all of --coordinator"),
 ])
 def test_bad_flags_one_line(argv, message, capsys):
@@ -321,6 +324,8 @@ def test_bad_flags_one_line(argv, message, capsys):
     (["--cp-colossal", "2", "--cp-ulysses", "2", "--tp", "3"], r"cp_colossal\*cp_ulysses\*tp=12 does not divide the 8"),
     (["--dp", "4", "--tp", "2", "--batch", "6"], r"--batch=6 is not divisible by dp=4"),
     (["--kv-exchange", "carrier_pigeon"], r"kv_exchange='carrier_pigeon' must be one of"),
+    (["--overlap-chunks", "2", "--fused-qkv-chunks", "3"], r"fused_qkv_chunks=3 must be an integer from 0 to "
+                                                           r"overlap_chunks=2"),
     (["--model", "llama3-70b"], r"--model='llama3-70b' does not fit a CPU; train --model tiny here"),
 ])
 def test_flags_that_need_the_devices(argv, message, capsys):
