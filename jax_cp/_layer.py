@@ -164,6 +164,11 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, cfg: LayerConfig, layout
     norms = (w.get("q_norm"), w.get("k_norm"), None)
     spread = cfg.kv_exchange == "all_to_all" and layout.dims.c > 1  # K/V: one all-to-all over both CP axes
     pos_local = seq_chunk(pos_BS, (COLOSSAL, ULYSSES))  # this device's tokens, for RoPE before the exchange
+
+    def project(ws, bs, idx):  # parts idx of (q, k, v) on the local tokens, QK-norm and RoPE (q, k) included
+        parts = (tuple(t[j] for j in idx) for t in (ws, bs, norms))
+        return project_parts(x, *parts, pos_local, dtype, cfg.rope_theta, tuple(j < 2 for j in idx))
+
     # One pipeline stage per head chunk: chunk i's collectives and attention are
     # independent of chunk i+1's matmuls, so XLA can hide one under the other.
     y = 0
@@ -171,16 +176,11 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, cfg: LayerConfig, layout
         zip(_chunks(wq, n, 1), _chunks(wk, n, 1), _chunks(wv, n, 1)),
         zip(*(_chunks(b, n, 0) if b is not None else [None] * n for b in (bq, bk, bv))), _chunks(wo, n, 0),
     )):
-        def project(idx):  # projections with QK-norm and RoPE on the local tokens, before any exchange
-            return project_parts(x, tuple(ws[j] for j in idx), tuple(bs[j] for j in idx),
-                                 tuple(norms[j] for j in idx), pos_local, dtype, cfg.rope_theta,
-                                 tuple(j < 2 for j in idx))  # RoPE on q and k
-
         if i < cfg.fused_qkv_chunks:  # Q, K and V cross cp_ulysses in one all-to-all
-            q, k, v = exchange_heads(project((0, 1, 2)), ULYSSES)
+            q, k, v = exchange_heads(project(ws, bs, (0, 1, 2)), ULYSSES)
         else:  # Q in its own all-to-all, issued before the K/V projections; K and V together
-            (q,) = exchange_heads(project((0,)), ULYSSES)
-            kv = project((1, 2))
+            (q,) = exchange_heads(project(ws, bs, (0,)), ULYSSES)
+            kv = project(ws, bs, (1, 2))
             k, v = (None, None) if spread else exchange_heads(kv, ULYSSES)
         if spread:
             o = attend_gathered(q, spread_kv(jnp.stack(kv, axis=2), COLOSSAL, ULYSSES), pos_BS, seg_BS,
