@@ -17,6 +17,7 @@ memory and the planner's step-time estimate. Measures only; asserts nothing.
 
     JAX_PLATFORMS=cpu python benchmarks/overlap.py                 # v5e:4x4 and v5p:4x4x4
     JAX_PLATFORMS=cpu python benchmarks/overlap.py --topology v5e:4x4 --variants cp,naive
+    JAX_PLATFORMS=cpu python benchmarks/overlap.py --topology v5e:4x4 --layout 2,4,2 --variants cp-a2a
 
 Letters: B batch, S sequence, D model width, H query heads, K kv heads, d head dim.
 """
@@ -65,10 +66,14 @@ VARIANTS = {
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--topology", action="append", help="repeatable; default: " + ", ".join(CASES))
-    p.add_argument("--variants", default="naive,cp,cp-a2a,cp-ring,cp-fused,cp-fused1,cp-ring-fused,cp-ring-fused1", help="comma-separated: " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default="naive,cp,cp-a2a,cp-ring,cp-fused,cp-fused1,cp-ring-fused,cp-ring-fused1",
+                   help="comma-separated: " + ", ".join(VARIANTS))
     p.add_argument("--kernel", default="blockwise")
     p.add_argument("--layouts", default="Ulysses,all-gather,hybrid")
+    p.add_argument("--layout", action="append", metavar="C,U,T",
+                   help="repeatable: these (cp_colossal, cp_ulysses, tp) instead of the preset layouts")
     args = p.parse_args(argv)
+    custom = [("custom", *map(int, x.split(","))) for x in args.layout or []]
     spec = plan.MODELS["llama3-8b"]
     print("| topology | layout (c,u,t) dp | B, S | variant | chunks | overlap fwd | overlap bwd | "
           "memory/device | est. step | compile |")
@@ -76,8 +81,8 @@ def main(argv=None):
     for topo in args.topology or list(CASES):
         batch, seq_len, layouts = CASES[topo]
         devices = plan.get_topology(topo).devices
-        for name, c, u, t in layouts:
-            if name not in args.layouts.split(","):
+        for name, c, u, t in custom or layouts:
+            if not custom and name not in args.layouts.split(","):
                 continue
             mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, devices=devices)
             for key in args.variants.split(","):
