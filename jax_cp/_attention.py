@@ -26,7 +26,7 @@ from jax_cp._masks import normalize_window
 from jax_cp._mesh import COLOSSAL, CP, DP, TP, ULYSSES, MeshDims, lcm, mesh_dims, place
 
 __all__ = [
-    "dot_product_attention", "attend_shard", "attend_gathered", "placed_metadata", "seq_chunk", "kv_head_replication",
+    "dot_product_attention", "attend_shard", "attend_gathered", "attend_local_kv", "placed_metadata", "seq_chunk", "kv_head_replication",
     "LAYOUTS", "KV_EXCHANGES",
 ]
 
@@ -149,14 +149,23 @@ def attend_gathered(q_BSHd, kv_BS2Kd, pos_all, seg_all, *, kernel="auto", **mask
     )
 
 
-def _shard_fn(q, k, v, pos_all, seg_all=None, *, kv_exchange, **kw):
+def attend_local_kv(q_BSHd, k_BTKd, v_BTKd, pos_all, seg_all, *, kv_exchange="all_gather", **kw):
+    """Queries after the Ulysses all-to-all; K and V still on the device's own tokens ``[B, S/(c*u), ...]``.
+
+    ``kv_exchange="all_to_all"`` (with a ``cp_colossal`` axis): K/V reach every token in one
+    all-to-all over both CP axes. Otherwise K and V cross ``cp_ulysses`` in one all-to-all,
+    then the colossal exchange (``attend_shard``).
+    """
+    if kv_exchange == "all_to_all" and lax.axis_size(COLOSSAL) > 1:
+        kv_all = spread_kv(jnp.stack([k_BTKd, v_BTKd], axis=2), COLOSSAL, ULYSSES)
+        return attend_gathered(q_BSHd, kv_all, pos_all, seg_all, **kw)
+    k, v = exchange_heads((k_BTKd, v_BTKd), ULYSSES)
+    return attend_shard(q_BSHd, k, v, pos_all, seg_all, kv_exchange=kv_exchange, **kw)
+
+
+def _shard_fn(q, k, v, pos_all, seg_all=None, **kw):
     (q,) = exchange_heads((q,), ULYSSES)
-    if kv_exchange == "all_to_all" and lax.axis_size(COLOSSAL) > 1:  # K/V: one all-to-all over both CP axes
-        o = attend_gathered(q, spread_kv(jnp.stack([k, v], axis=2), COLOSSAL, ULYSSES), pos_all, seg_all, **kw)
-    else:  # K and V cross cp_ulysses in one all-to-all, then the colossal exchange
-        k, v = exchange_heads((k, v), ULYSSES)
-        o = attend_shard(q, k, v, pos_all, seg_all, kv_exchange=kv_exchange, **kw)
-    return heads_to_seq(o, ULYSSES)
+    return heads_to_seq(attend_local_kv(q, k, v, pos_all, seg_all, **kw), ULYSSES)
 
 
 def dot_product_attention(

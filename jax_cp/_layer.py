@@ -19,10 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 from jax_cp import kernels as _kernels
 from jax_cp._attention import (
-    KV_EXCHANGES, attend_gathered, attend_shard, check_seq_batch, placed_metadata, seq_chunk,
+    KV_EXCHANGES, attend_local_kv, attend_shard, check_seq_batch, placed_metadata, seq_chunk,
 )
 from jax_cp._checks import check_positive_fields
-from jax_cp._collectives import spread_kv
 from jax_cp._masks import normalize_window
 from jax_cp._mesh import AXES, COLOSSAL, CP, DP, TP, ULYSSES, MeshDims, lcm, mesh_dims, place
 from jax_cp._projection import exchange_heads, heads_to_model, project_parts
@@ -162,7 +161,6 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, cfg: LayerConfig, layout
     if cfg.use_bias:
         bq, bk, bv = w["q_bias"], _local_kv(w["k_bias"], layout, 0), _local_kv(w["v_bias"], layout, 0)
     norms = (w.get("q_norm"), w.get("k_norm"), None)
-    spread = cfg.kv_exchange == "all_to_all" and layout.dims.c > 1  # K/V: one all-to-all over both CP axes
     pos_local = seq_chunk(pos_BS, (COLOSSAL, ULYSSES))  # this device's tokens, for RoPE before the exchange
 
     def project(ws, bs, idx):  # parts idx of (q, k, v) on the local tokens, QK-norm and RoPE (q, k) included
@@ -176,18 +174,14 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, cfg: LayerConfig, layout
         zip(_chunks(wq, n, 1), _chunks(wk, n, 1), _chunks(wv, n, 1)),
         zip(*(_chunks(b, n, 0) if b is not None else [None] * n for b in (bq, bk, bv))), _chunks(wo, n, 0),
     )):
-        if i < cfg.fused_qkv_chunks:  # Q, K and V cross cp_ulysses in one all-to-all
+        kw = dict(kv_exchange=cfg.kv_exchange, kernel=cfg.kernel, is_causal=cfg.is_causal,
+                  local_window_size=window, scale=scale)
+        if i < cfg.fused_qkv_chunks:  # Q, K and V cross cp_ulysses in one all-to-all, then the colossal exchange
             q, k, v = exchange_heads(project(ws, bs, (0, 1, 2)), ULYSSES)
-        else:  # Q in its own all-to-all, issued before the K/V projections; K and V together
+            o = attend_shard(q, k, v, pos_BS, seg_BS, **kw)
+        else:  # Q in its own all-to-all, issued before the K/V projections and their exchange(s)
             (q,) = exchange_heads(project(ws, bs, (0,)), ULYSSES)
-            kv = project(ws, bs, (1, 2))
-            k, v = (None, None) if spread else exchange_heads(kv, ULYSSES)
-        if spread:
-            o = attend_gathered(q, spread_kv(jnp.stack(kv, axis=2), COLOSSAL, ULYSSES), pos_BS, seg_BS,
-                                kernel=cfg.kernel, is_causal=cfg.is_causal, local_window_size=window, scale=scale)
-        else:  # K/V, here after the Ulysses exchange, cross cp_colossal
-            o = attend_shard(q, k, v, pos_BS, seg_BS, kv_exchange=cfg.kv_exchange, kernel=cfg.kernel,
-                             is_causal=cfg.is_causal, local_window_size=window, scale=scale)
+            o = attend_local_kv(q, *project(ws, bs, (1, 2)), pos_BS, seg_BS, **kw)
         y = y + lax.optimization_barrier(heads_to_model(o, cwo, ULYSSES))
     y = lax.psum(y, TP)
     if cfg.use_bias:

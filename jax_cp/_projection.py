@@ -51,10 +51,9 @@ def _pack(parts, u: int):
     return jnp.concatenate([p.reshape(B, S, u, p.shape[2] // u, p.shape[3]) for p in parts], axis=3)
 
 
-def _unpack(y, sizes):
-    """``[B, S, 1, sum_i h_i, d]`` -> parts ``[B, S, h_i, d]``."""
-    y = y[:, :, 0]
-    return tuple(jnp.split(y, list(itertools.accumulate(sizes))[:-1], axis=2)) if len(sizes) > 1 else (y,)
+def _split(a, sizes, axis: int):
+    """``a`` cut along ``axis`` into consecutive pieces of ``sizes``."""
+    return tuple(jnp.split(a, list(itertools.accumulate(sizes))[:-1], axis=axis)) if len(sizes) > 1 else (a,)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -70,7 +69,7 @@ def exchange_heads(parts, axis_name):
     if u == 1:
         return tuple(parts)
     y = _a2a(_pack(parts, u), axis_name, 2, 1)  # [B, S, 1, sum H_i/u, d]
-    return _unpack(y, [p.shape[2] // u for p in parts])
+    return _split(y[:, :, 0], [p.shape[2] // u for p in parts], 2)
 
 
 def _xh_fwd(parts, axis_name):
@@ -85,7 +84,7 @@ def _xh_bwd(axis_name, _, gs):
     g = jnp.concatenate([g_[:, :, None] for g_ in gs], axis=3)  # [B, S, 1, sum h_i, d]
     g = _a2a(g, axis_name, 1, 2)  # [B, S/u, u, sum h_i, d]
     sizes = [g_.shape[2] for g_ in gs]
-    chunks = jnp.split(g, list(itertools.accumulate(sizes))[:-1], axis=3) if len(gs) > 1 else [g]
+    chunks = _split(g, sizes, 3)
     return (tuple(c.reshape(B, S // u, u * h, c.shape[-1]) for c, h in zip(chunks, sizes)),)
 
 
