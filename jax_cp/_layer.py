@@ -24,7 +24,7 @@ from jax_cp._attention import (
 from jax_cp._checks import check_positive_fields
 from jax_cp._masks import normalize_window
 from jax_cp._mesh import AXES, COLOSSAL, CP, DP, TP, ULYSSES, MeshDims, lcm, mesh_dims, place
-from jax_cp._projection import exchange_heads, heads_to_model, project_parts
+from jax_cp._projection import exchange_heads, heads_to_model, project_parts, tie_cotangents
 
 X_SPEC = P(DP, CP, None)
 
@@ -148,7 +148,7 @@ def _varying(a):
 
 
 def _chunks(a, n, axis):
-    return jnp.split(a, n, axis=axis) if n > 1 else [a]
+    return list(jnp.split(a, n, axis=axis)) if n > 1 else [a]
 
 
 def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, cfg: LayerConfig, layout: Layout, dtype, window, scale):
@@ -169,20 +169,31 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, cfg: LayerConfig, layout
 
     # One pipeline stage per head chunk: chunk i's collectives and attention are
     # independent of chunk i+1's matmuls, so XLA can hide one under the other.
+    wqs = _chunks(wq, n, 1)
+    wkvs, wos = list(zip(_chunks(wk, n, 1), _chunks(wv, n, 1))), _chunks(wo, n, 0)
+    bss = list(zip(*(_chunks(b, n, 0) if b is not None else [None] * n for b in (bq, bk, bv))))
+    kw = dict(kv_exchange=cfg.kv_exchange, kernel=cfg.kernel, is_causal=cfg.is_causal,
+              local_window_size=window, scale=scale)
+    # Hybrid layouts: chunk i's projected Q (or QKV) is tied to chunk i+1's Q weight, so in the
+    # backward chunk i's projection gradients wait for chunk i+1's dWq, and XLA hides chunk i's
+    # Q-gradient all-to-all under that matmul (else it leaves it empty: v5e (2,2,4) 0.92 -> 1.00).
+    # Measured neutral or worse elsewhere (TPU schedules, benchmarks/RESULTS.md): without a
+    # colossal axis (v5p Ulysses 2 chunks 1.00 -> 0.88) and with the ring (v5e (2,4,2) 4 chunks 1.00 -> 0.77).
+    tie = layout.dims.c > 1 and layout.dims.u > 1 and cfg.kv_exchange != "ring"
     y = 0
-    for i, (ws, bs, cwo) in enumerate(zip(
-        zip(_chunks(wq, n, 1), _chunks(wk, n, 1), _chunks(wv, n, 1)),
-        zip(*(_chunks(b, n, 0) if b is not None else [None] * n for b in (bq, bk, bv))), _chunks(wo, n, 0),
-    )):
-        kw = dict(kv_exchange=cfg.kv_exchange, kernel=cfg.kernel, is_causal=cfg.is_causal,
-                  local_window_size=window, scale=scale)
-        if i < cfg.fused_qkv_chunks:  # Q, K and V cross cp_ulysses in one all-to-all, then the colossal exchange
-            q, k, v = exchange_heads(project(ws, bs, (0, 1, 2)), ULYSSES)
+    for i in range(n):
+        ws, bs = (wqs[i], *wkvs[i]), bss[i]
+        fused = i < cfg.fused_qkv_chunks  # Q, K and V cross cp_ulysses in one all-to-all
+        parts = project(ws, bs, (0, 1, 2) if fused else (0,))
+        if tie and i + 1 < n:
+            parts, wqs[i + 1] = tie_cotangents(parts, wqs[i + 1])
+        if fused:  # then the colossal exchange
+            q, k, v = exchange_heads(parts, ULYSSES)
             o = attend_shard(q, k, v, pos_BS, seg_BS, **kw)
         else:  # Q in its own all-to-all, issued before the K/V projections and their exchange(s)
-            (q,) = exchange_heads(project(ws, bs, (0,)), ULYSSES)
+            (q,) = exchange_heads(parts, ULYSSES)
             o = attend_local_kv(q, *project(ws, bs, (1, 2)), pos_BS, seg_BS, **kw)
-        y = y + lax.optimization_barrier(heads_to_model(o, cwo, ULYSSES))
+        y = y + lax.optimization_barrier(heads_to_model(o, wos[i], ULYSSES))
     y = lax.psum(y, TP)
     if cfg.use_bias:
         y = y + params["o_bias"][None, None]  # once, after the psum; in the parameter dtype

@@ -6,6 +6,7 @@ in one all-to-all. A chunk's exchange depends on nothing but its own matmuls, so
 XLA can run it under the next chunk's matmuls or attention; the backward runs
 the inverse all-to-all, then the input- and weight-gradient matmuls.
 ``heads_to_model`` is the output side: inverse all-to-all, then the output projection.
+``tie_cotangents`` orders the chunks' projection backwards (identity forward).
 Letters: B batch, S local sequence, D model width, H heads (of this chunk), d head dim.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from jax import lax
 from jax_cp._collectives import _a2a
 from jax_cp._posenc import apply_rope, rms_norm
 
-__all__ = ["project_parts", "exchange_heads", "heads_to_model"]
+__all__ = ["project_parts", "exchange_heads", "heads_to_model", "tie_cotangents"]
 
 
 def _seq_to_heads(y, axis_name):
@@ -159,3 +160,28 @@ def _htm_bwd(axis_name, res, g_BSD):
 
 
 heads_to_model.defvjp(_htm_fwd, _htm_bwd)
+
+
+@jax.custom_vjp
+def tie_cotangents(a, b):
+    """Identity on ``(a, b)``; in the backward their cotangents pass one ``optimization_barrier``.
+
+    The forward is untouched (no data flows between ``a`` and ``b``). In the
+    backward, whatever consumes ``a``'s cotangent waits until ``b``'s exists:
+    on hybrid layouts the layer ties chunk i's projected Q to chunk i+1's Q
+    weight, so chunk i's Q-projection backward cannot start before chunk i+1's
+    weight gradient is done, and XLA places that matmul inside chunk i's
+    Q-gradient all-to-all instead of leaving the all-to-all empty.
+    """
+    return a, b
+
+
+def _tie_fwd(a, b):
+    return (a, b), None
+
+
+def _tie_bwd(_, g):
+    return lax.optimization_barrier(g)
+
+
+tie_cotangents.defvjp(_tie_fwd, _tie_bwd)

@@ -58,7 +58,13 @@ def _cases():
         yield (c, u, t), next(kv), chunks, next(extras), next(dtypes), bool(i % 2), ex, fused
 
 
-@pytest.mark.parametrize("cut,K,chunks,extra,dtype,causal,kv_exchange,fused", list(_cases()))
+# Hybrid kv_exchange="all_to_all" with several chunks: the chunk-to-chunk gradient ties
+# (tie_cotangents) on the path the TPU overlap table measures.
+A2A_CHUNKED = [((2, 2, 2), 2, 2, dict(use_qk_norm=True, rope_theta=10_000.0), jnp.float32, True, "all_to_all", 0),
+               ((2, 2, 1), 1, 4, dict(use_bias=True), jnp.bfloat16, False, "all_to_all", 0)]
+
+
+@pytest.mark.parametrize("cut,K,chunks,extra,dtype,causal,kv_exchange,fused", list(_cases()) + A2A_CHUNKED)
 def test_nnx_matches_reference(cut, K, chunks, extra, dtype, causal, kv_exchange, fused):
     c, u, t = cut
     mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
@@ -166,3 +172,23 @@ def test_module_errors():
         attn(jnp.zeros((2, 16, 16)))
     with pytest.raises(ValueError, match=r"mesh=None: pass the mesh"):
         jax_cp.linen.CPAttention(D, 8).init(jax.random.key(0), jnp.zeros((2, 16, D)))
+
+
+def test_tie_cotangents_is_identity_with_a_backward_barrier():
+    """The layer's chunk-to-chunk tie: values and gradients pass unchanged; the two cotangents
+    meet in one optimization barrier in the backward, and the forward has none."""
+    from jax_cp._projection import tie_cotangents
+
+    def f(a, b):
+        x, y = tie_cotangents(a, b)
+        return (2 * x).sum() + (y ** 2).sum()
+
+    a, b = jnp.arange(3.0), jnp.array([[1.0, -2.0], [0.5, 3.0]])
+    x, y = tie_cotangents(a, b)
+    np.testing.assert_array_equal(x, a)
+    np.testing.assert_array_equal(y, b)
+    ga, gb = jax.grad(f, argnums=(0, 1))(a, b)
+    np.testing.assert_array_equal(ga, np.full(3, 2.0))
+    np.testing.assert_array_equal(gb, 2 * b)
+    assert "optimization_barrier" not in str(jax.make_jaxpr(f)(a, b))
+    assert str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(a, b)).count("optimization_barrier") == 1
