@@ -7,6 +7,8 @@ float32 parameters) -> AdamW with gradient clipping and warmup + cosine decay.
 Writes ``OUT/metrics.jsonl``, ``OUT/loss.png``, ``OUT/summary.json`` and orbax
 checkpoints (atomic: a kill during a save leaves the previous one usable);
 ``--resume`` continues from the latest one with the same data order.
+``--plan TOPOLOGY`` compiles one training step for a TPU topology ahead of time
+(libtpu wheel, no TPU needed) and prints its memory, collectives and overlap.
 """
 from __future__ import annotations
 
@@ -87,6 +89,7 @@ class TrainConfig:
     process_id: int | None = None
     heartbeat_timeout: int = 30
     debug_step_sleep: float = 0.0  # test hook: widens the window in which a run can be killed
+    plan: str | None = None  # a TPU topology: compile one step for it and report instead of training
 
     def __post_init__(self):
         from models.llama import CONFIGS
@@ -122,6 +125,9 @@ class TrainConfig:
                              "--process-id I.")
         if self.process_id is not None and not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"--process-id={self.process_id} must be in [0, --num-processes={self.num_processes}).")
+        if self.plan is not None and (self.devices is not None or self.num_processes is not None):
+            raise ValueError(f"--plan {self.plan} compiles for the topology's own devices in this one process; "
+                             "drop --devices and the multi-process flags.")
 
     @property
     def ckpt_dir(self) -> Path:
@@ -177,6 +183,10 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--heartbeat-timeout", type=int, default=d.heartbeat_timeout,
                    help="seconds after which a silent process fails the run")
     g.add_argument("--debug-step-sleep", type=float, default=0.0, help=argparse.SUPPRESS)
+    g = p.add_argument_group("planning")
+    g.add_argument("--plan", metavar="TOPOLOGY",
+                   help="compile one training step for this TPU topology (e.g. v5p:4x4x4; libtpu wheel, no TPU "
+                        "needed) and print memory, collectives and overlap instead of training")
     return p
 
 
@@ -344,27 +354,83 @@ def _log(fh, record: dict) -> None:
         fh.flush()
 
 
+def _init_fn(cfg: TrainConfig, mesh, tx):
+    """``() -> (model, optimizer)``: the parameters and AdamW state, sharded on ``mesh``."""
+    def init():
+        model = Llama(get_config(cfg.model), mesh=mesh, rngs=nnx.Rngs(cfg.seed), **_model_kwargs(cfg))
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+    return init
+
+
+def _train_step_fn(graphdef):
+    """``(state, batch) -> (state, metrics)``: loss, gradients and the optimizer update of one step."""
+    def train_step(state, batch):
+        model, opt = nnx.merge(graphdef, state)
+        (loss, _), grads = nnx.value_and_grad(next_token_loss, has_aux=True)(model, batch)
+        opt.update(model, grads)
+        return nnx.state((model, opt)), {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    return train_step
+
+
+def plan_train_step(cfg: TrainConfig, topology: str | None = None, *, memory_budget: int | None = None,
+                    xla_flags: tuple[str, ...] | None = None):
+    """Compiles one training step of ``cfg`` for a TPU ``topology`` ahead of time and analyzes it.
+
+    The same step ``train`` runs (model, AdamW state, gradient clipping), on
+    the mesh ``cfg`` asks for, laid onto the topology's devices; nothing is
+    allocated, so the planning shapes (``--model llama3-8b``) work on a CPU.
+    Returns a ``jax_cp.plan.Analysis``: per-device memory (and whether it
+    fits), FLOPs, every collective with its overlap, the estimated step time.
+    Needs the libtpu wheel (``pip install -e '.[tpu-aot]'``).
+    """
+    from jax_cp import plan
+
+    topology = topology or cfg.plan
+    if topology is None:
+        raise ValueError("topology=None: name a TPU topology to plan for, e.g. 'v5p:4x4x4'.")
+    devices = plan.get_topology(topology).devices
+    mesh = jax_cp.make_mesh(cp_colossal=cfg.cp_colossal, cp_ulysses=cfg.cp_ulysses, tp=cfg.tp, dp=cfg.dp,
+                            devices=devices, axis_types=AxisType.Auto)
+    dp = jax_cp.mesh_dims(mesh).dp
+    if cfg.batch % dp:
+        raise ValueError(f"--batch={cfg.batch} is not divisible by dp={dp} ({len(devices)} devices of {topology}); "
+                         f"use a multiple of {dp}.")
+    tx, _ = make_optimizer(cfg)
+    with jax.set_mesh(mesh):
+        graphdef, state = nnx.split(nnx.eval_shape(_init_fn(cfg, mesh, tx)))
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, a.sharding.spec)),
+                         state)
+    fields = data_lib.pack(np.zeros(2, np.uint16), np.zeros(1, np.int64), 1)  # the batch's fields and dtypes
+    tokens = NamedSharding(mesh, Sharding().tokens_BS)
+    batch = {k: jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), v.dtype, sharding=tokens) for k, v in fields.items()}
+    with jax.set_mesh(mesh):
+        return plan.analyze_program(_train_step_fn(graphdef), (state, batch), topology=topology, mesh=mesh,
+                                    label=f"train step {cfg.model}", memory_budget=memory_budget,
+                                    xla_flags=xla_flags)
+
+
+def _plan_main(cfg: TrainConfig) -> None:
+    from jax_cp import plan
+
+    a = plan_train_step(cfg)
+    mesh = f"dp={cfg.dp or 'rest'} cp_colossal={cfg.cp_colossal} cp_ulysses={cfg.cp_ulysses} tp={cfg.tp}"
+    print(f"jax_cp plan: one training step of {cfg.model} on {cfg.plan} ({plan.chip_for(cfg.plan).device_kind}), "
+          f"mesh {mesh}\nB={cfg.batch} S={cfg.seq_len} dtype={cfg.dtype} fsdp={cfg.fsdp} remat={cfg.remat} "
+          f"kernel={cfg.kernel} kv_exchange={cfg.kv_exchange} overlap_chunks={cfg.overlap_chunks} "
+          f"fused_qkv_chunks={cfg.fused_qkv_chunks}\n")
+    print(plan.format_programs([a], grouped=True))
+
+
 def train(cfg: TrainConfig, s: Setup) -> dict:
     """Runs the training loop; returns the summary (also written to ``OUT/summary.json``)."""
     t0 = time.perf_counter()
     main_process = jax.process_index() == 0
     out = Path(cfg.out)
     tx, schedule = make_optimizer(cfg)
-    model_cfg = get_config(cfg.model)
-
-    def init():
-        model = Llama(model_cfg, mesh=s.mesh, rngs=nnx.Rngs(cfg.seed), **_model_kwargs(cfg))
-        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
     with jax.set_mesh(s.mesh):
-        graphdef, state = nnx.split(nnx.jit(init)())
+        graphdef, state = nnx.split(nnx.jit(_init_fn(cfg, s.mesh, tx))())
     shardings = jax.tree.map(lambda x: x.sharding, state)
-
-    def train_step(state, batch):
-        model, opt = nnx.merge(graphdef, state)
-        (loss, _), grads = nnx.value_and_grad(next_token_loss, has_aux=True)(model, batch)
-        opt.update(model, grads)
-        return nnx.state((model, opt)), {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    train_step = _train_step_fn(graphdef)
 
     def eval_step(state, batch):
         model, _ = nnx.merge(graphdef, state)
@@ -497,6 +563,13 @@ def run(cfg: TrainConfig, devices=None) -> dict:
 
 def main(argv=None) -> None:
     cfg = parse_args(argv)
+    if cfg.plan is not None:
+        try:
+            _plan_main(cfg)
+        except ValueError as e:
+            sys.stderr.write(f"{PROG}: error: {e}\n")
+            raise SystemExit(2) from None
+        return
     try:
         init_jax(cfg)
         prepared = setup(cfg)

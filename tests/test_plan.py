@@ -477,3 +477,13 @@ def test_q_gradient_all_to_alls_enclose_compute():
     assert len([c for c in bwd if c.axes == ("cp_ulysses",)]) == 4  # per chunk: output gradient, Q gradient
     assert all(c.is_async and c.overlapped for c in bwd), [(c.name, c.overlapped) for c in bwd]
     assert r.analysis.overlap("bwd") == 1.0
+
+
+def test_out_of_hbm_is_a_clear_error():
+    """A program the TPU compiler cannot fit (36 GiB of temporaries on a 16 GiB v5e) is a ValueError
+    that quotes the compiler and says what to change, not a compiler traceback."""
+    mesh = jax_cp.make_mesh(devices=plan.get_topology(TOPO).devices)
+    x = jax.ShapeDtypeStruct((3 * 2**30,), jnp.float32, sharding=NamedSharding(mesh, P()))
+    with pytest.raises(ValueError, match=r"too big does not fit one TPU v5 lite device \(16 GiB HBM\); the TPU "
+                                         r"compiler says: .*Ran out of memory on HBM.* Spread it further"):
+        plan.analyze_program(lambda x: jnp.cumsum(x) + x[::-1], (x,), topology=TOPO, mesh=mesh, label="too big")

@@ -309,6 +309,8 @@ def test_a_dead_process_fails_the_other(corpus, cache_env, tmp_path):
     (["--tp", "0"], r"--tp=0 must be a positive integer"),
     (["--overlap-chunks", "0"], r"--overlap-chunks=0 must be a positive integer"),
     (["--coordinator", "localhost:1"], r"multi-process runs need all of --coordinator"),
+    (["--plan", "v5e:2x4", "--devices", "8"], r"--plan v5e:2x4 compiles for the topology's own devices in this "
+                                              r"one process; drop --devices"),
 ])
 def test_bad_flags_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -347,3 +349,58 @@ def test_cli_degrees_not_matching_devices():
         "python -m models.train: error: cp_colossal*cp_ulysses*tp=8 does not divide the 4 devices; "
         "choose degrees whose product divides 4."
     ], res.stderr
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+PLAN = dict(model="tiny", seq_len=2048, batch=2, cp_colossal=2, cp_ulysses=2, tp=2, kv_exchange="all_to_all",
+            overlap_chunks=2, kernel="blockwise")
+
+
+def test_plan_one_training_step_for_a_tpu_topology():
+    """plan_train_step: the whole step (2 layers, AdamW, clipping) compiled for v5e:2x4 ahead of time;
+    nothing allocated. Arguments hold at least every parameter, moment and batch shard; each layer's
+    exchanges appear forward and backward; the overlap is read from the schedule."""
+    pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
+    cfg = train.TrainConfig(**PLAN)
+    a = train.plan_train_step(cfg, "v5e:2x4")
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2, devices=jax_cp.plan.get_topology("v5e:2x4").devices,
+                            axis_types=AxisType.Auto)
+    with jax.set_mesh(mesh):
+        params = nnx.state(llama.abstract_model("tiny", mesh), nnx.Param)
+    shard_bytes = sum(np.prod(NamedSharding(mesh, x.sharding.spec).shard_shape(x.shape)) * x.dtype.itemsize
+                      for x in jax.tree.leaves(params))
+    batch_bytes = 5 * 2 * 2048 // 4 * 4  # five [B, S] int32/float32 fields, S split over cp (4)
+    m = a.memory
+    assert m.arguments >= 3 * shard_bytes + batch_bytes and m.total >= m.arguments and m.fits
+    assert a.flops > 0 and a.estimate.step_s > 0
+    cp = {ph: [c for c in a.schedule.select(ph)] for ph in ("fwd", "bwd")}
+    both = ("cp_colossal", "cp_ulysses")
+    a2a = {ph: [c.axes for c in cs if c.kind == "all-to-all"] for ph, cs in cp.items()}
+    assert a2a["fwd"].count(("cp_ulysses",)) == 2 * 2 * 2  # layers x chunks x (Q, output)
+    assert a2a["bwd"].count(("cp_ulysses",)) == 2 * 2 * 2  # layers x chunks x (output gradient, Q gradient)
+    assert a2a["bwd"].count(both) == 2 * 2  # layers x chunks: dK/dV over both CP axes
+    assert both in a2a["fwd"] and not any(c.kind == "reduce-scatter" for c in a.schedule.collectives)
+    for ph, cs in cp.items():
+        assert a.overlap(ph) == pytest.approx(sum(c.bytes for c in cs if c.overlapped) / sum(c.bytes for c in cs))
+
+
+def test_plan_cli(capsys):
+    """``python -m models.train --plan TOPOLOGY``: the report instead of a run; a bad topology is one line."""
+    pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in PLAN.items()]
+    train.main(["--plan", "v5e:2x4", *flags, "--out", "/nonexistent/never-written"])
+    out = capsys.readouterr().out
+    for needle in ("one training step of tiny on v5e:2x4 (TPU v5 lite)", "kv_exchange=all_to_all overlap_chunks=2",
+                   "memory: total (peak)", "fits HBM budget 16.00 GiB", "overlap fraction bwd",
+                   "train step tiny", "cp_colossal,cp_ulysses"):
+        assert needle in out, out
+    # grouped collectives: the 2 layers x 2 chunks dK/dV all-to-alls on one line, all 4 asynchronous
+    assert re.search(r"\* bwd\s+all-to-all\s+cp_colossal,cp_ulysses\s+\S+ \S+\s+4\s+4\s+\d+\n", out), out
+    assert not Path("/nonexistent/never-written").exists()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--plan", "v5e:3x3", *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a TPU topology libtpu knows" in err, err

@@ -9,6 +9,8 @@ estimated step time. ``strategy="auto"`` chooses the layout. Command line:
 ``python -m jax_cp.plan --help``. ``recommended_xla_flags`` gives the flags
 that make collectives asynchronous, ``apply_recommended_flags`` sets them for
 the process, ``compiler_options`` turns them into per-compile options.
+A whole training step: ``python -m models.train --plan TOPOLOGY ...``
+(``models.train.plan_train_step``), or ``analyze_program`` for your own.
 """
 from jax_cp.plan._analyze import STRATEGIES, analyze, analyze_program, get_topology, kv_exchanges
 from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
@@ -16,11 +18,11 @@ from jax_cp.plan._chips import CHIPS, Chip, chip_for
 from jax_cp.plan._flags import FLAG_ENV, apply_recommended_flags, compiler_options, recommended_xla_flags
 from jax_cp.plan._hlo import Collective, Schedule, analyze_schedule
 from jax_cp.plan._models import MODELS, ModelSpec
-from jax_cp.plan._report import Analysis, Estimate, Memory, Report
+from jax_cp.plan._report import Analysis, Estimate, Memory, Report, format_programs
 
 __all__ = [
     "Analysis", "CHIPS", "Chip", "Collective", "Estimate", "FLAG_ENV", "LayerShape", "MODELS",
     "Memory", "ModelSpec", "Report", "STRATEGIES", "Schedule", "analyze", "analyze_program", "analyze_schedule",
-    "apply_recommended_flags", "chip_for", "compiler_options", "cp_layer", "get_topology", "kv_exchanges", "naive_layer",
-    "recommended_xla_flags",
+    "apply_recommended_flags", "chip_for", "compiler_options", "cp_layer", "format_programs", "get_topology",
+    "kv_exchanges", "naive_layer", "recommended_xla_flags",
 ]

@@ -106,11 +106,27 @@ def _analyze_compiled(fn, args, label, mesh, chip, budget, flags) -> Analysis:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="jax_cp_plan_") as dump:
         options = compiler_options(flags) | {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
-        compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
+        try:
+            compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
+        except jax.errors.JaxRuntimeError as e:
+            raise _hbm_error(e, label, chip) from None
         elapsed = time.perf_counter() - t0
         text = _scheduled_text(compiled, dump)
     schedule = analyze_schedule(text, mesh_shape=tuple(mesh.shape.values()), axis_names=tuple(mesh.axis_names))
     return analysis_of(label, compiled, schedule, chip, budget, elapsed)
+
+
+def _hbm_error(e: Exception, label: str, chip) -> Exception:
+    """The TPU compiler's out-of-HBM refusal as a ValueError saying what to change; other errors unchanged."""
+    msg = str(e)
+    if "RESOURCE_EXHAUSTED" not in msg or "HBM" not in msg:
+        return e
+    why = next((line.split(": ", 2)[-1] for line in msg.splitlines() if "HBM" in line), msg)
+    return ValueError(
+        f"{label} does not fit one {chip.device_kind} device ({chip.device_hbm_bytes / 2**30:.0f} GiB HBM); the TPU "
+        f"compiler says: {why.strip()} Spread it further (more tp / cp_colossal / cp_ulysses, FSDP), "
+        "rematerialise, or plan a shorter sequence or a smaller batch."
+    )
 
 
 def analyze_program(fn, args, *, topology: str, mesh, label: str = "program", memory_budget: int | None = None,

@@ -10,7 +10,7 @@ import dataclasses
 from jax_cp.plan._chips import Chip
 from jax_cp.plan._hlo import Schedule
 
-__all__ = ["Memory", "Estimate", "Analysis", "Report", "analysis_of"]
+__all__ = ["Memory", "Estimate", "Analysis", "Report", "analysis_of", "format_programs"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,6 +69,9 @@ class Analysis:
     def overlap(self, phase: str | None = None) -> float | None:
         """Share of context-parallel collective bytes with compute scheduled inside (fwd/bwd/all)."""
         return self.schedule.overlap_fraction(phase)
+
+    def __str__(self) -> str:
+        return format_programs([self])
 
 
 def analysis_of(label: str, compiled, schedule: Schedule, chip: Chip, budget: int, compile_s: float) -> Analysis:
@@ -140,7 +143,18 @@ def format_report(r: Report) -> str:
     ]
     if r.reasons:
         lines += ["strategy=auto:", *(f"  {x}" for x in r.reasons), ""]
-    programs = [a] + ([base] if base is not None else [])
+    lines += format_programs([a] + ([base] if base is not None else [])).splitlines()
+    return "\n".join(lines)
+
+
+def format_programs(programs: list[Analysis], grouped: bool = False) -> str:
+    """Side-by-side figures of ``programs``, then the first one's collectives, then what the figures mean.
+
+    ``grouped``: one line per kind of collective (phase, kind, axes, bytes) with counts, for
+    programs with thousands of them (a whole model's training step).
+    """
+    a = programs[0]
+    lines = []
     head = f"{'':34s}" + "".join(f"{p.label:>22s}" for p in programs)
     rows = [
         ("memory: arguments", lambda p: _b(p.memory.arguments)),
@@ -163,9 +177,13 @@ def format_report(r: Report) -> str:
     ]
     lines.append(head)
     lines += [f"{name:34s}" + "".join(f"{fn(p):>22s}" for p in programs) for name, fn in rows]
-    lines += ["", f"collectives of {a.label} (schedule order; * = counted in the CP overlap fraction; "
-              "loop = in a loop body, bytes per iteration):",
-              f"  {'':2s}{'phase':6s}{'kind':20s}{'mesh axes':26s}{'bytes':>12s}  {'async':6s}{'overlapped':11s}name"]
+    lines += ["", f"collectives of {a.label} ({'grouped, ' if grouped else ''}schedule order; * = counted in the "
+              "CP overlap fraction; loop = in a loop body, bytes per iteration):"]
+    if grouped:
+        lines += _grouped_collectives(a)
+        lines += _FOOTER
+        return "\n".join(lines)
+    lines.append(f"  {'':2s}{'phase':6s}{'kind':20s}{'mesh axes':26s}{'bytes':>12s}  {'async':6s}{'overlapped':11s}name")
     for c in a.schedule.collectives:
         mark = "*" if a.schedule.is_cp(c) else " "
         lines.append(
@@ -173,7 +191,23 @@ def format_report(r: Report) -> str:
             f"{'yes' if c.is_async else 'no':6s}{'yes' if c.overlapped else 'no':11s}{c.name}"
             + (" (loop)" if c.in_loop else "")
         )
-    lines += ["", "Times are estimates from published per-chip peaks (bf16 FLOP/s, HBM and ICI bandwidth),",
-              "not measurements. A collective counts as overlapped when a matmul/convolution is scheduled",
-              "between its start and done; fwd/bwd come from JAX's op names (transpose(...) = backward)."]
+    lines += _FOOTER
     return "\n".join(lines)
+
+
+_FOOTER = ["", "Times are estimates from published per-chip peaks (bf16 FLOP/s, HBM and ICI bandwidth),",
+           "not measurements. A collective counts as overlapped when a matmul/convolution is scheduled",
+           "between its start and done; fwd/bwd come from JAX's op names (transpose(...) = backward)."]
+
+
+def _grouped_collectives(a: Analysis) -> list[str]:
+    groups: dict[tuple, list[int]] = {}  # (cp, phase, kind, axes, bytes, loop) -> [count, async, overlapped]
+    for c in a.schedule.collectives:
+        g = groups.setdefault((a.schedule.is_cp(c), c.phase, c.kind, c.axes, c.bytes, c.in_loop), [0, 0, 0])
+        g[0], g[1], g[2] = g[0] + 1, g[1] + c.is_async, g[2] + c.overlapped
+    lines = [f"  {'':2s}{'phase':6s}{'kind':20s}{'mesh axes':26s}{'bytes':>12s}{'count':>7s}  {'async':>7s}  "
+             f"{'overlapped':>10s}"]
+    for (cp, phase, kind, axes, nbytes, loop), (n, n_async, n_over) in groups.items():
+        lines.append(f"  {'*' if cp else ' '} {phase:6s}{kind:20s}{','.join(axes) or '-':26s}{_b(nbytes):>12s}{n:>7d}  "
+                     f"{n_async:>7d}  {n_over:>10d}" + (" (loop)" if loop else ""))
+    return lines
