@@ -177,8 +177,8 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, cfg: LayerConfig, layout
     # Hybrid layouts: chunk i's projected Q (or QKV) is tied to chunk i+1's Q weight, so in the
     # backward chunk i's projection gradients wait for chunk i+1's dWq, and XLA hides chunk i's
     # Q-gradient all-to-all under that matmul (else it leaves it empty: v5e (2,2,4) 0.92 -> 1.00).
-    # Measured neutral or worse elsewhere (TPU schedules, benchmarks/RESULTS.md): without a
-    # colossal axis (v5p Ulysses 2 chunks 1.00 -> 0.88) and with the ring (v5e (2,4,2) 4 chunks 1.00 -> 0.77).
+    # Not with the ring (measured worse: v5e (2,4,2) 4 chunks 1.00 -> 0.77) nor on pure Ulysses (mixed:
+    # v5e 4 chunks 0.81 -> 0.94, v5p 2 chunks 1.00 -> 0.88); TPU schedules in benchmarks/RESULTS.md.
     tie = layout.dims.c > 1 and layout.dims.u > 1 and cfg.kv_exchange != "ring"
     y = 0
     for i in range(n):

@@ -25,6 +25,8 @@ __all__ = ["EOD", "Corpus", "Windows", "default_corpus_files", "load_corpus", "m
 
 EOD = 256  # end of document; bytes are 0..255
 FIELDS = ("tokens", "labels", "positions", "segment_ids", "weights")
+FIELD_DTYPES = {"tokens": np.int32, "labels": np.int32, "positions": np.int32, "segment_ids": np.int32,
+                "weights": np.float32}  # what pack gives
 
 
 def default_corpus_files() -> list[Path]:

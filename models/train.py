@@ -125,9 +125,9 @@ class TrainConfig:
                              "--process-id I.")
         if self.process_id is not None and not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"--process-id={self.process_id} must be in [0, --num-processes={self.num_processes}).")
-        if self.plan is not None and (self.devices is not None or self.num_processes is not None):
-            raise ValueError(f"--plan {self.plan} compiles for the topology's own devices in this one process; "
-                             "drop --devices and the multi-process flags.")
+        if self.plan is not None and (self.devices is not None or self.num_processes is not None or self.resume):
+            raise ValueError(f"--plan {self.plan} compiles one step for the topology's own devices in this one "
+                             "process and trains nothing; drop --devices, --resume and the multi-process flags.")
 
     @property
     def ckpt_dir(self) -> Path:
@@ -245,8 +245,7 @@ def setup(cfg: TrainConfig, devices=None) -> Setup:
     if cfg.model != "tiny" and jax.default_backend() == "cpu":
         raise ValueError(f"--model={cfg.model!r} does not fit a CPU; train --model tiny here (the large configs "
                          "are for accelerators and for planning: models.llama.abstract_model).")
-    if cfg.batch % dims.dp:
-        raise ValueError(f"--batch={cfg.batch} is not divisible by dp={dims.dp}; use a multiple of {dims.dp}.")
+    _check_batch(cfg, dims.dp)
     abstract_model(get_config(cfg.model), mesh, **_model_kwargs(cfg))  # head/kernel/exchange checks, no memory
     if jax.process_count() > 1:
         _check_same_flags(cfg)
@@ -261,6 +260,11 @@ def setup(cfg: TrainConfig, devices=None) -> Setup:
     if cfg.load_balance and dims.c > 1:
         order = np.asarray(load_balance.reorder(np.arange(cfg.seq_len), mesh, axis=0))
     return Setup(mesh, train_windows, eval_windows, order, NamedSharding(mesh, Sharding().tokens_BS))
+
+
+def _check_batch(cfg: TrainConfig, dp: int) -> None:
+    if cfg.batch % dp:
+        raise ValueError(f"--batch={cfg.batch} is not divisible by dp={dp}; use a multiple of {dp}.")
 
 
 def _check_same_flags(cfg: TrainConfig) -> None:
@@ -388,36 +392,34 @@ def plan_train_step(cfg: TrainConfig, topology: str | None = None, *, memory_bud
     topology = topology or cfg.plan
     if topology is None:
         raise ValueError("topology=None: name a TPU topology to plan for, e.g. 'v5p:4x4x4'.")
-    devices = plan.get_topology(topology).devices
-    mesh = jax_cp.make_mesh(cp_colossal=cfg.cp_colossal, cp_ulysses=cfg.cp_ulysses, tp=cfg.tp, dp=cfg.dp,
-                            devices=devices, axis_types=AxisType.Auto)
-    dp = jax_cp.mesh_dims(mesh).dp
-    if cfg.batch % dp:
-        raise ValueError(f"--batch={cfg.batch} is not divisible by dp={dp} ({len(devices)} devices of {topology}); "
-                         f"use a multiple of {dp}.")
+    mesh = plan.topology_mesh(topology, cp_colossal=cfg.cp_colossal, cp_ulysses=cfg.cp_ulysses, tp=cfg.tp,
+                              dp=cfg.dp, axis_types=AxisType.Auto)
+    _check_batch(cfg, jax_cp.mesh_dims(mesh).dp)
     tx, _ = make_optimizer(cfg)
     with jax.set_mesh(mesh):
         graphdef, state = nnx.split(nnx.eval_shape(_init_fn(cfg, mesh, tx)))
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, a.sharding.spec)),
                          state)
-    fields = data_lib.pack(np.zeros(2, np.uint16), np.zeros(1, np.int64), 1)  # the batch's fields and dtypes
     tokens = NamedSharding(mesh, Sharding().tokens_BS)
-    batch = {k: jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), v.dtype, sharding=tokens) for k, v in fields.items()}
-    with jax.set_mesh(mesh):
+    batch = {k: jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), data_lib.FIELD_DTYPES[k], sharding=tokens)
+             for k in data_lib.FIELDS}
+    with jax.set_mesh(mesh):  # the state is donated, as train's step does: the peak counts it once
         return plan.analyze_program(_train_step_fn(graphdef), (state, batch), topology=topology, mesh=mesh,
                                     label=f"train step {cfg.model}", memory_budget=memory_budget,
-                                    xla_flags=xla_flags)
+                                    xla_flags=xla_flags, donate_argnums=0)
 
 
 def _plan_main(cfg: TrainConfig) -> None:
     from jax_cp import plan
 
     a = plan_train_step(cfg)
-    mesh = f"dp={cfg.dp or 'rest'} cp_colossal={cfg.cp_colossal} cp_ulysses={cfg.cp_ulysses} tp={cfg.tp}"
+    dp = cfg.dp or len(plan.get_topology(cfg.plan).devices) // (cfg.cp_colossal * cfg.cp_ulysses * cfg.tp)
+    mesh = f"dp={dp} cp_colossal={cfg.cp_colossal} cp_ulysses={cfg.cp_ulysses} tp={cfg.tp}"
     print(f"jax_cp plan: one training step of {cfg.model} on {cfg.plan} ({plan.chip_for(cfg.plan).device_kind}), "
           f"mesh {mesh}\nB={cfg.batch} S={cfg.seq_len} dtype={cfg.dtype} fsdp={cfg.fsdp} remat={cfg.remat} "
           f"kernel={cfg.kernel} kv_exchange={cfg.kv_exchange} overlap_chunks={cfg.overlap_chunks} "
-          f"fused_qkv_chunks={cfg.fused_qkv_chunks}\n")
+          f"fused_qkv_chunks={cfg.fused_qkv_chunks}\n"
+          f"flags: {' '.join(plan.recommended_xla_flags('tpu', chip=plan.chip_for(cfg.plan).name))}\n")
     print(plan.format_programs([a], grouped=True))
 
 

@@ -12,7 +12,7 @@ the process, ``compiler_options`` turns them into per-compile options.
 A whole training step: ``python -m models.train --plan TOPOLOGY ...``
 (``models.train.plan_train_step``), or ``analyze_program`` for your own.
 """
-from jax_cp.plan._analyze import STRATEGIES, analyze, analyze_program, get_topology, kv_exchanges
+from jax_cp.plan._analyze import STRATEGIES, analyze, analyze_program, get_topology, kv_exchanges, topology_mesh
 from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
 from jax_cp.plan._chips import CHIPS, Chip, chip_for
 from jax_cp.plan._flags import FLAG_ENV, apply_recommended_flags, compiler_options, recommended_xla_flags
@@ -24,5 +24,5 @@ __all__ = [
     "Analysis", "CHIPS", "Chip", "Collective", "Estimate", "FLAG_ENV", "LayerShape", "MODELS",
     "Memory", "ModelSpec", "Report", "STRATEGIES", "Schedule", "analyze", "analyze_program", "analyze_schedule",
     "apply_recommended_flags", "chip_for", "compiler_options", "cp_layer", "format_programs", "get_topology",
-    "kv_exchanges", "naive_layer", "recommended_xla_flags",
+    "kv_exchanges", "naive_layer", "recommended_xla_flags", "topology_mesh",
 ]

@@ -101,13 +101,13 @@ def _compile(build, label, shape, mesh, chip, budget, flags: tuple[str, ...]) ->
     return _analyze_compiled(fn, args, label, mesh, chip, budget, flags)
 
 
-def _analyze_compiled(fn, args, label, mesh, chip, budget, flags) -> Analysis:
+def _analyze_compiled(fn, args, label, mesh, chip, budget, flags, donate_argnums=()) -> Analysis:
     """Compiles with ``flags`` as per-compile options; reads the schedule from the compiler's own dump."""
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="jax_cp_plan_") as dump:
         options = compiler_options(flags) | {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
         try:
-            compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
+            compiled = jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile(compiler_options=options)
         except jax.errors.JaxRuntimeError as e:
             raise _hbm_error(e, label, chip) from None
         elapsed = time.perf_counter() - t0
@@ -130,16 +130,18 @@ def _hbm_error(e: Exception, label: str, chip) -> Exception:
 
 
 def analyze_program(fn, args, *, topology: str, mesh, label: str = "program", memory_budget: int | None = None,
-                    xla_flags: tuple[str, ...] | None = None) -> Analysis:
+                    xla_flags: tuple[str, ...] | None = None, donate_argnums: int | tuple[int, ...] = ()) -> Analysis:
     """Compiles any ``fn(*args)`` for ``topology`` and analyzes it like the planner's layers.
 
     ``args`` are ``jax.ShapeDtypeStruct``s sharded over ``mesh``, a mesh of
-    ``get_topology(topology).devices`` (``jax_cp.make_mesh(..., devices=...)``).
-    Use it for your own layer or training step.
+    the topology's devices (``topology_mesh(topology, ...)``).
+    Use it for your own layer or training step; ``donate_argnums`` as in
+    ``jax.jit`` (a training step that donates its state: the memory peak
+    then counts the state once, not as input and output).
     """
     chip = chip_for(topology)
     budget = int(memory_budget or chip.device_hbm_bytes)
-    return _analyze_compiled(fn, args, label, mesh, chip, budget, _flags_for(chip, xla_flags))
+    return _analyze_compiled(fn, args, label, mesh, chip, budget, _flags_for(chip, xla_flags), donate_argnums)
 
 
 def _scheduled_text(compiled, dump: str) -> str:
@@ -155,13 +157,22 @@ def _scheduled_text(compiled, dump: str) -> str:
     return compiled.as_text()
 
 
-def _mesh(topology: str, devices, c: int, u: int, t: int):
+def topology_mesh(topology: str, *, cp_colossal: int = 1, cp_ulysses: int = 1, tp: int = 1, dp: int | None = None,
+                  axis_types=None):
+    """``jax_cp.make_mesh`` over the devices of a TPU ``topology`` (for ``analyze_program``).
+
+    Degrees the torus cannot hold are a ``ValueError`` naming them (JAX raises
+    ``NotImplementedError`` deep in its mesh utilities).
+    """
+    devices = get_topology(topology).devices
+    c, u, t = cp_colossal, cp_ulysses, tp
+    kw = {} if axis_types is None else {"axis_types": axis_types}
     try:
-        return make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, devices=devices)
+        return make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, dp=dp, devices=devices, **kw)
     except NotImplementedError as e:  # jax.make_mesh cannot lay these axes onto the torus
         raise ValueError(
-            f"cp_colossal={c}, cp_ulysses={u}, tp={t} (dp={len(devices) // (c * u * t)}) does not map onto the "
-            f"{topology} torus ({e}); choose degrees that are products of its side lengths."
+            f"cp_colossal={c}, cp_ulysses={u}, tp={t} (dp={dp or len(devices) // (c * u * t)}) does not map onto "
+            f"the {topology} torus ({e}); choose degrees that are products of its side lengths."
         ) from None
 
 
@@ -178,7 +189,7 @@ def analyze_layout(topology: str, shape: LayerShape, c: int, u: int, t: int, *, 
     chip = chip_for(topology)
     budget = int(memory_budget or chip.device_hbm_bytes)
     flags = _flags_for(chip, xla_flags)
-    mesh = _mesh(topology, devices, c, u, t)
+    mesh = topology_mesh(topology, cp_colossal=c, cp_ulysses=u, tp=t)
     label = f"CPAttention ({c},{u},{t})"
     analysis = _compile(cp_layer, label, shape, mesh, chip, budget, flags)
     base = _compile(naive_layer, "naive fused QKV", shape, mesh, chip, budget, flags) if baseline else None
@@ -287,7 +298,7 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
     )
     base = None
     if baseline:
-        mesh = _mesh(topology, get_topology(topology).devices, m["cp_colossal"], m["cp_ulysses"], m["tp"])
+        mesh = topology_mesh(topology, cp_colossal=m["cp_colossal"], cp_ulysses=m["cp_ulysses"], tp=m["tp"])
         base = _compile(naive_layer, "naive fused QKV", s, mesh, chip, budget, _flags_for(chip, xla_flags))
     return dataclasses.replace(best, baseline=base, reasons=tuple(reasons))
 
