@@ -392,8 +392,7 @@ def plan_train_step(cfg: TrainConfig, topology: str | None = None, *, memory_bud
     topology = topology or cfg.plan
     if topology is None:
         raise ValueError("topology=None: name a TPU topology to plan for, e.g. 'v5p:4x4x4'.")
-    mesh = plan.topology_mesh(topology, cp_colossal=cfg.cp_colossal, cp_ulysses=cfg.cp_ulysses, tp=cfg.tp,
-                              dp=cfg.dp, axis_types=AxisType.Auto)
+    mesh = _plan_mesh(cfg, topology)
     _check_batch(cfg, jax_cp.mesh_dims(mesh).dp)
     tx, _ = make_optimizer(cfg)
     with jax.set_mesh(mesh):
@@ -409,17 +408,24 @@ def plan_train_step(cfg: TrainConfig, topology: str | None = None, *, memory_bud
                                     xla_flags=xla_flags, donate_argnums=0)
 
 
+def _plan_mesh(cfg: TrainConfig, topology: str):
+    from jax_cp import plan
+
+    return plan.topology_mesh(topology, cp_colossal=cfg.cp_colossal, cp_ulysses=cfg.cp_ulysses, tp=cfg.tp,
+                              dp=cfg.dp, axis_types=AxisType.Auto)
+
+
 def _plan_main(cfg: TrainConfig) -> None:
     from jax_cp import plan
 
     a = plan_train_step(cfg)
-    dp = cfg.dp or len(plan.get_topology(cfg.plan).devices) // (cfg.cp_colossal * cfg.cp_ulysses * cfg.tp)
-    mesh = f"dp={dp} cp_colossal={cfg.cp_colossal} cp_ulysses={cfg.cp_ulysses} tp={cfg.tp}"
-    print(f"jax_cp plan: one training step of {cfg.model} on {cfg.plan} ({plan.chip_for(cfg.plan).device_kind}), "
+    mesh = " ".join(f"{k}={v}" for k, v in _plan_mesh(cfg, cfg.plan).shape.items())
+    chip = plan.chip_for(cfg.plan)
+    print(f"jax_cp plan: one training step of {cfg.model} on {cfg.plan} ({chip.device_kind}), "
           f"mesh {mesh}\nB={cfg.batch} S={cfg.seq_len} dtype={cfg.dtype} fsdp={cfg.fsdp} remat={cfg.remat} "
           f"kernel={cfg.kernel} kv_exchange={cfg.kv_exchange} overlap_chunks={cfg.overlap_chunks} "
           f"fused_qkv_chunks={cfg.fused_qkv_chunks}\n"
-          f"flags: {' '.join(plan.recommended_xla_flags('tpu', chip=plan.chip_for(cfg.plan).name))}\n")
+          f"flags: {' '.join(plan.recommended_xla_flags('tpu', chip=chip.name))}\n")
     print(plan.format_programs([a], grouped=True))
 
 

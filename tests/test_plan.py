@@ -482,7 +482,7 @@ def test_q_gradient_all_to_alls_enclose_compute():
 def test_out_of_hbm_is_a_clear_error():
     """A program the TPU compiler cannot fit (36 GiB of temporaries on a 16 GiB v5e) is a ValueError
     that quotes the compiler and says what to change, not a compiler traceback."""
-    mesh = jax_cp.make_mesh(devices=plan.get_topology(TOPO).devices)
+    mesh = plan.topology_mesh(TOPO)
     x = jax.ShapeDtypeStruct((3 * 2**30,), jnp.float32, sharding=NamedSharding(mesh, P()))
     with pytest.raises(ValueError, match=r"too big does not fit one TPU v5 lite device \(16 GiB HBM\); the TPU "
                                          r"compiler says: .*Ran out of memory on HBM.* Spread it further"):

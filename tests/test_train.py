@@ -368,8 +368,7 @@ def test_plan_one_training_step_for_a_tpu_topology():
     pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
     cfg = train.TrainConfig(**PLAN)
     a = train.plan_train_step(cfg, "v5e:2x4")
-    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2, devices=jax_cp.plan.get_topology("v5e:2x4").devices,
-                            axis_types=AxisType.Auto)
+    mesh = jax_cp.plan.topology_mesh("v5e:2x4", cp_colossal=2, cp_ulysses=2, tp=2, axis_types=AxisType.Auto)
     with jax.set_mesh(mesh):
         params = nnx.state(llama.abstract_model("tiny", mesh), nnx.Param)
     shard_bytes = sum(np.prod(NamedSharding(mesh, x.sharding.spec).shard_shape(x.shape)) * x.dtype.itemsize

@@ -166,9 +166,8 @@ def topology_mesh(topology: str, *, cp_colossal: int = 1, cp_ulysses: int = 1, t
     """
     devices = get_topology(topology).devices
     c, u, t = cp_colossal, cp_ulysses, tp
-    kw = {} if axis_types is None else {"axis_types": axis_types}
     try:
-        return make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, dp=dp, devices=devices, **kw)
+        return make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, dp=dp, devices=devices, axis_types=axis_types)
     except NotImplementedError as e:  # jax.make_mesh cannot lay these axes onto the torus
         raise ValueError(
             f"cp_colossal={c}, cp_ulysses={u}, tp={t} (dp={dp or len(devices) // (c * u * t)}) does not map onto "

@@ -179,18 +179,7 @@ def format_programs(programs: list[Analysis], grouped: bool = False) -> str:
     lines += [f"{name:34s}" + "".join(f"{fn(p):>22s}" for p in programs) for name, fn in rows]
     lines += ["", f"collectives of {a.label} ({'grouped, ' if grouped else ''}schedule order; * = counted in the "
               "CP overlap fraction; loop = in a loop body, bytes per iteration):"]
-    if grouped:
-        lines += _grouped_collectives(a)
-        lines += _FOOTER
-        return "\n".join(lines)
-    lines.append(f"  {'':2s}{'phase':6s}{'kind':20s}{'mesh axes':26s}{'bytes':>12s}  {'async':6s}{'overlapped':11s}name")
-    for c in a.schedule.collectives:
-        mark = "*" if a.schedule.is_cp(c) else " "
-        lines.append(
-            f"  {mark} {c.phase:6s}{c.kind:20s}{','.join(c.axes) or '-':26s}{_b(c.bytes):>12s}  "
-            f"{'yes' if c.is_async else 'no':6s}{'yes' if c.overlapped else 'no':11s}{c.name}"
-            + (" (loop)" if c.in_loop else "")
-        )
+    lines += _grouped_collectives(a) if grouped else _listed_collectives(a)
     lines += _FOOTER
     return "\n".join(lines)
 
@@ -198,6 +187,18 @@ def format_programs(programs: list[Analysis], grouped: bool = False) -> str:
 _FOOTER = ["", "Times are estimates from published per-chip peaks (bf16 FLOP/s, HBM and ICI bandwidth),",
            "not measurements. A collective counts as overlapped when a matmul/convolution is scheduled",
            "between its start and done; fwd/bwd come from JAX's op names (transpose(...) = backward)."]
+
+
+def _listed_collectives(a: Analysis) -> list[str]:
+    lines = [f"  {'':2s}{'phase':6s}{'kind':20s}{'mesh axes':26s}{'bytes':>12s}  {'async':6s}{'overlapped':11s}name"]
+    for c in a.schedule.collectives:
+        mark = "*" if a.schedule.is_cp(c) else " "
+        lines.append(
+            f"  {mark} {c.phase:6s}{c.kind:20s}{','.join(c.axes) or '-':26s}{_b(c.bytes):>12s}  "
+            f"{'yes' if c.is_async else 'no':6s}{'yes' if c.overlapped else 'no':11s}{c.name}"
+            + (" (loop)" if c.in_loop else "")
+        )
+    return lines
 
 
 def _grouped_collectives(a: Analysis) -> list[str]:
