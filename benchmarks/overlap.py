@@ -18,6 +18,11 @@ memory and the planner's step-time estimate. Measures only; asserts nothing.
     JAX_PLATFORMS=cpu python benchmarks/overlap.py                 # v5e:4x4 and v5p:4x4x4
     JAX_PLATFORMS=cpu python benchmarks/overlap.py --topology v5e:4x4 --variants cp,naive
     JAX_PLATFORMS=cpu python benchmarks/overlap.py --topology v5e:4x4 --layout 2,4,2 --variants cp-a2a
+    JAX_PLATFORMS=cpu python benchmarks/overlap.py --digest > before.txt   # lowered programs only (fast)
+
+``--digest`` lowers instead of compiling and prints a hash of each program's
+StableHLO (debug info dropped): a refactor that leaves every hash unchanged
+leaves every schedule, and so every figure of the table, unchanged.
 
 Letters: B batch, S sequence, D model width, H query heads, K kv heads, d head dim.
 """
@@ -25,11 +30,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import os
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+
+import jax  # noqa: E402
 
 import jax_cp  # noqa: E402
 from jax_cp import plan  # noqa: E402
@@ -72,12 +80,16 @@ def main(argv=None):
     p.add_argument("--layouts", default="Ulysses,all-gather,hybrid")
     p.add_argument("--layout", action="append", metavar="C,U,T",
                    help="repeatable: these (cp_colossal, cp_ulysses, tp) instead of the preset layouts")
+    p.add_argument("--digest", action="store_true",
+                   help="print a hash of each lowered program instead of compiling (refactor check)")
+    p.add_argument("--dump-dir", help="with --digest: also write each lowered program's text here")
     args = p.parse_args(argv)
     custom = [("custom", *map(int, x.split(","))) for x in args.layout or []]
     spec = plan.MODELS["llama3-8b"]
-    print("| topology | layout (c,u,t) dp | B, S | variant | chunks | overlap fwd | overlap bwd | "
-          "memory/device | est. step | compile |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    if not args.digest:
+        print("| topology | layout (c,u,t) dp | B, S | variant | chunks | overlap fwd | overlap bwd | "
+              "memory/device | est. step | compile |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     for topo in args.topology or list(CASES):
         batch, seq_len, layouts = CASES[topo]
         devices = plan.get_topology(topo).devices
@@ -98,6 +110,15 @@ def main(argv=None):
                                             overlap_chunks=chunks)
                     t0 = time.perf_counter()
                     fn, fargs = build(shape, mesh)
+                    if args.digest:
+                        text = jax.jit(fn).lower(*fargs).as_text(debug_info=False)
+                        row = f"{topo} ({c},{u},{t}) {key} n={chunks}"
+                        print(f"{row} {hashlib.sha256(text.encode()).hexdigest()[:16]}", flush=True)
+                        if args.dump_dir:
+                            os.makedirs(args.dump_dir, exist_ok=True)
+                            with open(os.path.join(args.dump_dir, row.replace(" ", "_") + ".mlir"), "w") as f:
+                                f.write(text)
+                        continue
                     a = plan.analyze_program(fn, fargs, topology=topo, mesh=mesh, label=label)
                     fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
                     print(f"| {topo} | {name} ({c},{u},{t}) dp={mesh.shape['dp']} | {batch}, {seq_len} | {label} | "
