@@ -145,8 +145,6 @@ def jax_cp_impls(kernels=("auto",), xla_max_seq: int = 8192) -> list[Impl]:
     import jax.numpy as jnp
     import jax_cp
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from jax_cp import _attention
-
     from jax_cp import load_balance
 
     strategies = [
@@ -154,9 +152,8 @@ def jax_cp_impls(kernels=("auto",), xla_max_seq: int = 8192) -> list[Impl]:
         ("all-gather (8,1,1)", dict(cp_colossal=8), "all_gather"),
         ("hybrid (2,4,1)", dict(cp_colossal=2, cp_ulysses=4), "all_gather"),
         ("hybrid (4,2,1)", dict(cp_colossal=4, cp_ulysses=2), "all_gather"),
+        ("ring (8,1,1)", dict(cp_colossal=8), "ring"),
     ]
-    if "ring" in _attention.KV_EXCHANGES:
-        strategies.append(("ring (8,1,1)", dict(cp_colossal=8), "ring"))
     out = []
     for kernel in kernels:
         for balanced in (False, True):

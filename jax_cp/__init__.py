@@ -1,16 +1,22 @@
 """jax_cp: context-parallel attention for JAX and Flax.
 
 Public API: ``make_mesh``, ``dot_product_attention``, ``CPAttention`` (NNX),
-``linen.CPAttention``, ``load_balance``, ``kernels``, ``reference`` (the
+``linen.CPAttention``, ``AttentionSpec`` (the validated layer description),
+``AttentionSharding`` (parameter storage layout), ``exchanges`` (the K/V
+exchanges as values), ``load_balance``, ``kernels``, ``reference`` (the
 single-device ground truth); ``jax_cp.plan`` (the pod planner) is imported on use.
 """
-from jax_cp import kernels, linen, load_balance, reference
+from jax_cp import exchanges, kernels, linen, load_balance, reference
 from jax_cp._attention import dot_product_attention
-from jax_cp._mesh import AXES, MeshDims, make_mesh, mesh_dims
+from jax_cp._layer import AttentionSharding, param_shapes, param_specs
+from jax_cp._mesh import AXES, COLOSSAL, DP, TP, ULYSSES, MeshDims, make_mesh, mesh_dims, place
 from jax_cp._module import CPAttention
+from jax_cp._posenc import apply_rope, rms_norm
+from jax_cp._spec import AttentionSpec
 
 __all__ = [
-    "AXES", "CPAttention", "MeshDims", "dot_product_attention", "kernels", "linen", "load_balance", "make_mesh",
-    "mesh_dims", "reference",
+    "AXES", "AttentionSharding", "AttentionSpec", "COLOSSAL", "CPAttention", "DP", "MeshDims", "TP", "ULYSSES",
+    "apply_rope", "dot_product_attention", "exchanges", "kernels", "linen", "load_balance", "make_mesh",
+    "mesh_dims", "param_shapes", "param_specs", "place", "reference", "rms_norm",
 ]
 __version__ = "0.1.0"

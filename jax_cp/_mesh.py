@@ -18,7 +18,7 @@ DP, COLOSSAL, ULYSSES, TP = "dp", "cp_colossal", "cp_ulysses", "tp"
 AXES = (DP, COLOSSAL, ULYSSES, TP)
 CP = (COLOSSAL, ULYSSES)  # the sequence axis is sharded colossal-major
 
-__all__ = ["AXES", "CP", "MeshDims", "make_mesh", "mesh_dims", "place"]
+__all__ = ["AXES", "CP", "MeshDims", "make_mesh", "mesh_dims", "place", "seq_chunk"]
 
 
 def make_mesh(
@@ -112,3 +112,18 @@ def place(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
 
 def lcm(a: int, b: int) -> int:
     return a * b // math.gcd(a, b)
+
+
+def seq_chunk(a_BS, axis_names: tuple[str, ...]):
+    """Inside ``shard_map``: this device's contiguous piece of a full-sequence ``[B, S]`` array,
+    for the sequence split over ``axis_names`` (row-major, like ``P(..., (cp_colossal, cp_ulysses))``)."""
+    if a_BS is None:
+        return None
+    n, idx = 1, 0
+    for name in axis_names:
+        size = jax.lax.axis_size(name)
+        n, idx = n * size, idx * size + jax.lax.axis_index(name)
+    if n == 1:
+        return a_BS
+    T = a_BS.shape[1] // n
+    return jax.lax.dynamic_slice_in_dim(a_BS, idx * T, T, axis=1)

@@ -1,35 +1,34 @@
-"""Projections and their Ulysses exchanges, each with a stated ``jax.custom_vjp`` backward.
+"""``CPAttention``'s projections on one device, each with a stated ``jax.custom_vjp`` backward.
 
-``project_parts`` runs a chunk's projection matmuls with QK-norm and RoPE on the
-device's own tokens; ``exchange_heads`` sends the result across ``cp_ulysses``
-in one all-to-all. A chunk's exchange depends on nothing but its own matmuls, so
-XLA can run it under the next chunk's matmuls or attention; the backward runs
-the inverse all-to-all, then the input- and weight-gradient matmuls.
-``heads_to_model`` is the output side: inverse all-to-all, then the output projection.
-``tie_cotangents`` orders the chunks' projection backwards (identity forward).
+``LinearProjections`` is what the per-shard body (``_body.attention_shard``) asks
+for each head chunk: ``project_parts`` runs a chunk's projection matmuls with
+QK-norm and RoPE on the device's own tokens (so the Ulysses exchange can follow
+at once); ``heads_to_model`` is the output side: inverse all-to-all, then the
+output projection. ``tie_cotangents`` orders the chunks' projection backwards
+(identity forward).
 Letters: B batch, S local sequence, D model width, H heads (of this chunk), d head dim.
 """
 from __future__ import annotations
 
-import itertools
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_cp._collectives import _a2a
+from jax_cp._mesh import AXES, CP, TP, ULYSSES, seq_chunk
 from jax_cp._posenc import apply_rope, rms_norm
+from jax_cp._ulysses import a2a
 
-__all__ = ["project_parts", "exchange_heads", "heads_to_model", "tie_cotangents"]
+__all__ = ["LinearProjections", "project_parts", "heads_to_model", "tie_cotangents"]
 
 
 def _seq_to_heads(y, axis_name):
-    return _a2a(y, axis_name, 2, 1)
+    return a2a(y, axis_name, 2, 1)
 
 
 def _heads_to_seq(y, axis_name):
-    return _a2a(y, axis_name, 1, 2)
+    return a2a(y, axis_name, 1, 2)
 
 
 def _proj(x_BSD, w_DHd, b_Hd, dtype):
@@ -44,52 +43,6 @@ def _per_token(y, norm_d, pos_BS, theta):
     if theta is not None:
         y = apply_rope(y, pos_BS, theta)
     return y
-
-
-def _pack(parts, u: int):
-    """Parts ``[B, S, H_i, d]`` -> ``[B, S, u, sum_i H_i/u, d]``: head group j of every part in slot j."""
-    B, S = parts[0].shape[:2]
-    return jnp.concatenate([p.reshape(B, S, u, p.shape[2] // u, p.shape[3]) for p in parts], axis=3)
-
-
-def _split(a, sizes, axis: int):
-    """``a`` cut along ``axis`` into consecutive pieces of ``sizes``."""
-    return tuple(jnp.split(a, list(itertools.accumulate(sizes))[:-1], axis=axis)) if len(sizes) > 1 else (a,)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(1,))
-def exchange_heads(parts, axis_name):
-    """One all-to-all for several tensors: each ``[B, S/u, H_i, d] -> [B, S, H_i/u, d]``.
-
-    Head group j of every part travels to the device of ``axis_name`` rank j
-    in the same collective (TPUs run one all-to-all at a time, so one larger
-    exchange leaves more compute to hide it under than several small ones).
-    Backward: the inverse all-to-all, also one collective.
-    """
-    u = lax.axis_size(axis_name)
-    if u == 1:
-        return tuple(parts)
-    y = _a2a(_pack(parts, u), axis_name, 2, 1)  # [B, S, 1, sum H_i/u, d]
-    return _split(y[:, :, 0], [p.shape[2] // u for p in parts], 2)
-
-
-def _xh_fwd(parts, axis_name):
-    return exchange_heads(parts, axis_name), None
-
-
-def _xh_bwd(axis_name, _, gs):
-    u = lax.axis_size(axis_name)
-    if u == 1:
-        return (tuple(gs),)
-    B, S = gs[0].shape[:2]
-    g = jnp.concatenate([g_[:, :, None] for g_ in gs], axis=3)  # [B, S, 1, sum h_i, d]
-    g = _a2a(g, axis_name, 1, 2)  # [B, S/u, u, sum h_i, d]
-    sizes = [g_.shape[2] for g_ in gs]
-    chunks = _split(g, sizes, 3)
-    return (tuple(c.reshape(B, S // u, u * h, c.shape[-1]) for c, h in zip(chunks, sizes)),)
-
-
-exchange_heads.defvjp(_xh_fwd, _xh_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -185,3 +138,84 @@ def _tie_bwd(_, g):
 
 
 tie_cotangents.defvjp(_tie_fwd, _tie_bwd)
+
+
+def _varying(a):
+    """Marks ``a`` as varying over every mesh axis, so the custom_vjp blocks see
+    one type and the transpose (a psum) of that cast sums the weight gradients."""
+    aval = jax.typeof(a)
+    vma = aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying  # renamed across JAX versions
+    missing = tuple(ax for ax in AXES if ax not in vma)
+    return lax.pcast(a, missing, to="varying") if missing else a
+
+
+def _local_kv(w, layout, axis: int):
+    """Repeat this tp rank's kv heads (axis ``axis``) to the expanded count, minimal."""
+    dims, K_exp = layout.dims, layout.kv_expanded
+    K = w.shape[axis] * (dims.t if layout.kv_sharded else 1)
+    w = jnp.repeat(w, K_exp // K, axis=axis)
+    if not layout.kv_sharded and dims.t > 1:
+        per = K_exp // dims.t
+        w = lax.dynamic_slice_in_dim(w, lax.axis_index(TP) * per, per, axis=axis)
+    return w
+
+
+def _chunks(a, n, axis):
+    if a is None:
+        return [None] * n
+    return list(jnp.split(a, n, axis=axis)) if n > 1 else [a]
+
+
+class LinearProjections:
+    """The layer's weights on one device, cut into ``spec.overlap_chunks`` head chunks.
+
+    ``q_parts(i)`` projects chunk i's Q (Q, K and V when the chunk is fused);
+    on hybrid layouts it also ties those parts to chunk i+1's Q weight
+    (``tie_cotangents``): chunk i's projection backward then waits for chunk
+    i+1's dWq, and XLA hides chunk i's Q-gradient all-to-all under that matmul
+    (v5e (2,2,4) 0.92 -> 1.00; not on pure Ulysses, where it was mixed, nor with
+    exchanges that measured worse: ``KVExchange.ties_chunks``).
+    """
+
+    def __init__(self, params, x_BSD, pos_BS, *, spec, layout, dtype):
+        n = spec.overlap_chunks
+        self.spec, self.dtype, self.o_bias = spec, dtype, params.get("o_bias")
+        self.x = _varying(x_BSD.astype(dtype))
+        w = {k: _varying(v) for k, v in params.items()}  # parameter dtype; cast to dtype inside each block
+        wk, wv = _local_kv(w["k_kernel"], layout, 1), _local_kv(w["v_kernel"], layout, 1)
+        b = (w["q_bias"], _local_kv(w["k_bias"], layout, 0), _local_kv(w["v_bias"], layout, 0)) \
+            if spec.use_bias else (None, None, None)
+        self.norms = (w.get("q_norm"), w.get("k_norm"), None)
+        self.pos = seq_chunk(pos_BS, CP)  # this device's tokens, for RoPE before the exchange
+        self.wq = _chunks(w["q_kernel"], n, 1)
+        self.wkv = list(zip(_chunks(wk, n, 1), _chunks(wv, n, 1)))
+        self.wo = _chunks(w["o_kernel"], n, 0)
+        self.b = list(zip(*(_chunks(bias, n, 0) for bias in b)))
+        self.tie = spec.ties_chunks(layout.dims)
+        self.wq_next = self.wq[0]  # the next chunk's Q weight (tied to this chunk's parts on hybrid layouts)
+
+    def _project(self, i, wq, idx):
+        ws, bs = (wq, *self.wkv[i]), self.b[i]
+        w, b, n = (tuple(t[j] for j in idx) for t in (ws, bs, self.norms))
+        rotate = tuple(j < 2 for j in idx)  # RoPE on q and k
+        return project_parts(self.x, w, b, n, self.pos, self.dtype, self.spec.rope_theta, rotate)
+
+    def q_parts(self, i):
+        fused = i < self.spec.fused_qkv_chunks  # Q, K and V cross cp_ulysses in one all-to-all
+        parts = self._project(i, self.wq_next, (0, 1, 2) if fused else (0,))
+        if i + 1 < len(self.wq):
+            nxt = self.wq[i + 1]
+            parts, self.wq_next = tie_cotangents(parts, nxt) if self.tie else (parts, nxt)
+        return parts
+
+    def kv_parts(self, i):
+        return self._project(i, None, (1, 2))
+
+    def output(self, i, o):
+        return lax.optimization_barrier(heads_to_model(o, self.wo[i], ULYSSES))
+
+    def finish(self, y):
+        y = lax.psum(y, TP)
+        if self.o_bias is not None:
+            y = y + self.o_bias[None, None]  # once, after the psum; in the parameter dtype
+        return y.astype(self.dtype)

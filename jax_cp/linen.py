@@ -6,9 +6,9 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jax_cp._layer import init_param, layer_forward, layout_for, param_shapes, param_specs
-from jax_cp._mesh import mesh_dims
-from jax_cp._module import make_config
+from jax_cp import exchanges as _exchanges
+from jax_cp._layer import AttentionSharding, init_param, layer_forward, param_shapes, storage_specs
+from jax_cp._spec import AttentionSpec
 
 __all__ = ["CPAttention"]
 
@@ -20,8 +20,8 @@ class CPAttention(nn.Module):
     ``jax.jit(model.init, out_shardings=...)``.
     """
 
-    in_features: int
     num_heads: int
+    in_features: int
     num_kv_heads: int | None = None
     head_dim: int | None = None
     mesh: Any = None
@@ -34,19 +34,26 @@ class CPAttention(nn.Module):
     kernel_init: Callable = nn.initializers.lecun_normal()
     overlap_chunks: int | None = None
     kernel: str = "auto"
-    kv_exchange: str = "all_gather"
+    kv_exchange: Any = _exchanges.DEFAULT
     fused_qkv_chunks: int = 0
+    sharding: AttentionSharding | None = None
+
+    @property
+    def spec(self) -> AttentionSpec:
+        return AttentionSpec(
+            num_heads=self.num_heads, in_features=self.in_features, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, is_causal=self.is_causal, use_qk_norm=self.use_qk_norm,
+            rope_theta=self.rope_theta, use_bias=self.use_bias, kernel=self.kernel, kv_exchange=self.kv_exchange,
+            overlap_chunks=1 if self.overlap_chunks is None else self.overlap_chunks,
+            fused_qkv_chunks=self.fused_qkv_chunks)
 
     @nn.compact
     def __call__(self, x, *, positions=None, segment_ids=None, local_window_size=None):
-        cfg = make_config(self.in_features, self.num_heads, self.num_kv_heads, self.head_dim,
-                          is_causal=self.is_causal, use_qk_norm=self.use_qk_norm, rope_theta=self.rope_theta,
-                          use_bias=self.use_bias, overlap_chunks=self.overlap_chunks, kernel=self.kernel,
-                          kv_exchange=self.kv_exchange, fused_qkv_chunks=self.fused_qkv_chunks)
-        specs = param_specs(cfg, layout_for(cfg, mesh_dims(self.mesh)))
+        spec = self.spec
+        specs = storage_specs(spec, self.mesh, self.sharding)
         params = {}
-        for name, shape in param_shapes(cfg).items():
+        for name, shape in param_shapes(spec).items():
             init = lambda key, shape, dtype, name=name: init_param(name, shape, key, dtype, self.kernel_init)
             params[name] = self.param(name, nn.with_partitioning(init, tuple(specs[name])), shape, self.param_dtype)
-        return layer_forward(params, x, mesh=self.mesh, cfg=cfg, dtype=self.dtype, positions=positions,
+        return layer_forward(params, x, mesh=self.mesh, spec=spec, dtype=self.dtype, positions=positions,
                              segment_ids=segment_ids, local_window_size=local_window_size)

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_cp._layer import LayerConfig, init_param, param_shapes
+from jax_cp._layer import init_param, param_shapes
+from jax_cp._spec import AttentionSpec
 from jax_cp._masks import normalize_window, visible
 from jax_cp._posenc import apply_rope, rms_norm
 
@@ -65,7 +66,7 @@ def dot_product_attention(
     return jnp.swapaxes(out, 1, 2) if layout == "BNSD" else out
 
 
-def attention_layer(params: dict, x_BSD, *, cfg: LayerConfig, dtype=None, positions=None,
+def attention_layer(params: dict, x_BSD, *, spec: AttentionSpec, dtype=None, positions=None,
                       segment_ids=None, local_window_size=None, scale=None):
     """Single-device twin of ``jax_cp.CPAttention``'s forward (plain jnp, float32 attention)."""
     B, S, _ = x_BSD.shape
@@ -78,16 +79,16 @@ def attention_layer(params: dict, x_BSD, *, cfg: LayerConfig, dtype=None, positi
     q = jnp.einsum("bsd,dhe->bshe", x, w["q_kernel"])
     k = jnp.einsum("bsd,dhe->bshe", x, w["k_kernel"])
     v = jnp.einsum("bsd,dhe->bshe", x, w["v_kernel"])
-    if cfg.use_bias:
+    if spec.use_bias:
         q, k, v = q + w["q_bias"][None, None], k + w["k_bias"][None, None], v + w["v_bias"][None, None]
-    if cfg.use_qk_norm:
+    if spec.use_qk_norm:
         q, k = rms_norm(q, w["q_norm"]), rms_norm(k, w["k_norm"])
-    if cfg.rope_theta is not None:
-        q, k = apply_rope(q, pos, cfg.rope_theta), apply_rope(k, pos, cfg.rope_theta)
+    if spec.rope_theta is not None:
+        q, k = apply_rope(q, pos, spec.rope_theta), apply_rope(k, pos, spec.rope_theta)
     o = attend(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
-               is_causal=cfg.is_causal, local_window_size=local_window_size, scale=scale)
+               is_causal=spec.is_causal, local_window_size=local_window_size, scale=scale)
     y = jnp.einsum("bshe,hed->bsd", o, w["o_kernel"])
-    if cfg.use_bias:
+    if spec.use_bias:
         y = y + w["o_bias"][None, None]
     return y.astype(dtype)
 
@@ -100,19 +101,18 @@ class Attention(nnx.Module):
     copies a CP module's parameters into it.
     """
 
-    def __init__(self, in_features, num_heads, *, num_kv_heads=None, head_dim=None, is_causal=False,
+    def __init__(self, num_heads, in_features, *, num_kv_heads=None, head_dim=None, is_causal=False,
                  use_qk_norm=False, rope_theta=None, use_bias=False, dtype=None, param_dtype=jnp.float32,
                  kernel_init=nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
-        self.config = LayerConfig(
-            in_features=in_features, num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads,
-            head_dim=head_dim or in_features // num_heads, is_causal=is_causal, use_qk_norm=use_qk_norm,
-            rope_theta=rope_theta, use_bias=use_bias,
+        self.spec = AttentionSpec(
+            num_heads=num_heads, in_features=in_features, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            is_causal=is_causal, use_qk_norm=use_qk_norm, rope_theta=rope_theta, use_bias=use_bias,
         )
         self.dtype = dtype
-        for name, shape in param_shapes(self.config).items():
+        for name, shape in param_shapes(self.spec).items():
             setattr(self, name, nnx.Param(init_param(name, shape, rngs.params(), param_dtype, kernel_init)))
 
     def __call__(self, x, *, positions=None, segment_ids=None, local_window_size=None):
-        params = {name: getattr(self, name)[...] for name in param_shapes(self.config)}
-        return attention_layer(params, x, cfg=self.config, dtype=self.dtype, positions=positions,
+        params = {name: getattr(self, name)[...] for name in param_shapes(self.spec)}
+        return attention_layer(params, x, spec=self.spec, dtype=self.dtype, positions=positions,
                                segment_ids=segment_ids, local_window_size=local_window_size)

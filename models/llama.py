@@ -14,14 +14,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
 import jax_cp
 from jax_cp._checks import check_positive_fields
 
 __all__ = [
-    "CONFIGS", "Llama", "LlamaConfig", "Sharding", "abstract_model", "get_config", "next_token_loss",
-    "param_count",
+    "CONFIGS", "Llama", "LlamaConfig", "Sharding", "abstract_model", "attention_sharding", "get_config",
+    "next_token_loss", "param_count",
 ]
 
 DP, TP = "dp", "tp"
@@ -45,11 +45,15 @@ class LlamaConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self):
-        check_positive_fields(self, ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff"))
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}.")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE.")
+        check_positive_fields(self, ("vocab_size", "d_model", "num_layers", "d_ff"))
+        self.attention  # noqa: B018  (validates the attention shapes with the library's own messages)
+
+    @property
+    def attention(self) -> jax_cp.AttentionSpec:
+        """One layer's attention as ``jax_cp.CPAttention`` builds it (causal, RoPE)."""
+        return jax_cp.AttentionSpec(num_heads=self.num_heads, in_features=self.d_model,
+                                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, is_causal=True,
+                                    use_qk_norm=self.use_qk_norm, rope_theta=self.rope_theta)
 
 
 CONFIGS = {
@@ -112,28 +116,23 @@ class Sharding:
         return P(*(None if a == DP else a for a in spec))
 
 
-def _place(x, mesh, spec):
-    sharding = NamedSharding(mesh, spec)
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
-        return jax.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)
-
-
 def _param(mesh, sharding: Sharding, value, spec: P) -> nnx.Param:
     spec = sharding.store(spec, value.shape, mesh)
-    return nnx.Param(_place(value, mesh, spec), out_sharding=tuple(spec), eager_sharding=False)
+    return nnx.Param(jax_cp.place(value, mesh, spec), out_sharding=tuple(spec), eager_sharding=False)
 
 
 def _weight(param: nnx.Param, mesh, dtype):
     """A parameter in its compute layout (FSDP all-gather when stored over dp) and dtype."""
     spec = Sharding.compute(P(*param.get_metadata()["out_sharding"]))
-    return _place(param[...], mesh, spec).astype(dtype)
+    return jax_cp.place(param[...], mesh, spec).astype(dtype)
 
 
-def rms_norm(x, scale, eps):
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return y * scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + scale.shape)
+def attention_sharding(spec: jax_cp.AttentionSpec, mesh, sharding: Sharding) -> jax_cp.AttentionSharding:
+    """Where each layer's ``CPAttention`` stores its weights: the tp layout, plus ``dp`` under FSDP."""
+    shapes, compute = jax_cp.param_shapes(spec), jax_cp.param_specs(spec, mesh)
+    return jax_cp.AttentionSharding(**{
+        name: sharding.store(getattr(compute, name), shape, mesh) if len(shape) > 1 else None
+        for name, shape in shapes.items()})
 
 
 class RMSNorm(nnx.Module):
@@ -142,7 +141,7 @@ class RMSNorm(nnx.Module):
         self.scale = _param(mesh, sharding, jnp.ones((dim,), jnp.float32), P(None))
 
     def __call__(self, x):
-        return rms_norm(x, self.scale[...], self.eps)
+        return jax_cp.rms_norm(x, self.scale[...], self.eps)
 
 
 class MLP(nnx.Module):
@@ -159,27 +158,22 @@ class MLP(nnx.Module):
     def __call__(self, x_BSD):
         m, dt = self.mesh, self.dtype
         x = x_BSD.astype(dt)
-        gate_BSF = _place(jnp.einsum("bsd,df->bsf", x, _weight(self.w_gate, m, dt)), m, self.sharding.h_BSF)
-        up_BSF = _place(jnp.einsum("bsd,df->bsf", x, _weight(self.w_up, m, dt)), m, self.sharding.h_BSF)
+        gate_BSF = jax_cp.place(jnp.einsum("bsd,df->bsf", x, _weight(self.w_gate, m, dt)), m, self.sharding.h_BSF)
+        up_BSF = jax_cp.place(jnp.einsum("bsd,df->bsf", x, _weight(self.w_up, m, dt)), m, self.sharding.h_BSF)
         h_BSF = jax.nn.silu(gate_BSF) * up_BSF
         y_BSD = jnp.einsum("bsf,fd->bsd", h_BSF, _weight(self.w_down, m, dt))
-        return _place(y_BSD, m, self.sharding.x_BSD)
+        return jax_cp.place(y_BSD, m, self.sharding.x_BSD)
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, mesh, sharding: Sharding, dtype, attention: dict, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, mesh=mesh, sharding=sharding)
+        spec = cfg.attention
         self.attn = jax_cp.CPAttention(
-            cfg.d_model, cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, mesh=mesh,
-            is_causal=True, use_qk_norm=cfg.use_qk_norm, rope_theta=cfg.rope_theta, dtype=dtype,
-            rngs=rngs, **attention,
+            spec.num_heads, spec.in_features, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, mesh=mesh,
+            is_causal=spec.is_causal, use_qk_norm=spec.use_qk_norm, rope_theta=spec.rope_theta, dtype=dtype,
+            sharding=attention_sharding(spec, mesh, sharding), rngs=rngs, **attention,
         )
-        if sharding.fsdp:  # re-store the attention weights over dp too; CPAttention gathers them per call
-            for name, param in nnx.iter_graph(self.attn):
-                if isinstance(param, nnx.Param) and param[...].ndim > 1:
-                    spec = sharding.store(P(*param.get_metadata()["out_sharding"]), param.shape, mesh)
-                    param.set_value(_place(param[...], mesh, spec))
-                    param.set_metadata("out_sharding", tuple(spec))
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, mesh=mesh, sharding=sharding)
         self.mlp = MLP(cfg, mesh=mesh, sharding=sharding, dtype=dtype, rngs=rngs)
 
@@ -200,7 +194,7 @@ class Llama(nnx.Module):
     """
 
     def __init__(self, cfg: LlamaConfig, *, mesh, dtype=jnp.bfloat16, fsdp: bool = False, remat: bool = False,
-                 kernel: str = "auto", kv_exchange: str = "all_gather", overlap_chunks: int = 1,
+                 kernel: str = "auto", kv_exchange=jax_cp.exchanges.DEFAULT, overlap_chunks: int = 1,
                  fused_qkv_chunks: int = 0, rngs: nnx.Rngs):
         self.cfg, self.mesh, self.dtype, self.remat = cfg, mesh, jnp.dtype(dtype), remat
         self.sharding = sharding = Sharding(fsdp=fsdp)
@@ -221,10 +215,10 @@ class Llama(nnx.Module):
     def __call__(self, tokens_BS, *, positions, segment_ids=None):
         m, sh = self.mesh, self.sharding
         embed_VD = _weight(self.embed, m, jnp.float32)
-        x_BSD = _place(jnp.take(embed_VD, tokens_BS, axis=0), m, sh.x_BSD)
+        x_BSD = jax_cp.place(jnp.take(embed_VD, tokens_BS, axis=0), m, sh.x_BSD)
 
         def apply(block, x, pos, seg):
-            return _place(block(x, pos, seg), m, sh.x_BSD)
+            return jax_cp.place(block(x, pos, seg), m, sh.x_BSD)
 
         if self.remat:
             apply = nnx.remat(apply)
@@ -236,7 +230,7 @@ class Llama(nnx.Module):
         else:
             w_DV = _weight(self.head, m, self.dtype)
         logits = jnp.einsum("bsd,dv->bsv", h_BSD, w_DV, preferred_element_type=jnp.float32)
-        return _place(logits, m, sh.logits_BSV)
+        return jax_cp.place(logits, m, sh.logits_BSV)
 
 
 def next_token_loss(model: Llama, batch: dict) -> tuple[jax.Array, jax.Array]:

@@ -69,7 +69,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     clip: float = 1.0
     dtype: str = "bfloat16"
-    kv_exchange: str = "all_gather"
+    kv_exchange: str = jax_cp.exchanges.DEFAULT.name
     kernel: str = "auto"
     overlap_chunks: int = 1
     fused_qkv_chunks: int = 0

@@ -132,7 +132,7 @@ def test_fully_padded_rows_zero_and_no_nan():
 def test_causality_by_gradient(balanced):
     """d y[p] / d x[p'] is exactly zero for every p' after p (module, hybrid tp mesh)."""
     mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
-    attn = jax_cp.CPAttention(16, 8, num_kv_heads=2, mesh=mesh, is_causal=True, rope_theta=10_000.0,
+    attn = jax_cp.CPAttention(8, 16, num_kv_heads=2, mesh=mesh, is_causal=True, rope_theta=10_000.0,
                               rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(0), (2, S, 16))
     pos = jnp.arange(S)
@@ -150,8 +150,8 @@ def test_causality_by_gradient(balanced):
 def test_module_packed_window_matches_reference():
     mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
     kw = dict(num_kv_heads=2, is_causal=True, rope_theta=10_000.0)
-    cp = jax_cp.CPAttention(16, 8, mesh=mesh, overlap_chunks=2, rngs=nnx.Rngs(0), **kw)
-    ref = reference.Attention(16, 8, rngs=nnx.Rngs(0), **kw)
+    cp = jax_cp.CPAttention(8, 16, mesh=mesh, overlap_chunks=2, rngs=nnx.Rngs(0), **kw)
+    ref = reference.Attention(8, 16, rngs=nnx.Rngs(0), **kw)
     seg = packed_segments(11, 2, S)
     x, seg, pos = lb.reorder((jax.random.normal(jax.random.key(1), (2, S, 16)), seg, packed_positions(seg)), mesh)
     call = dict(positions=pos, segment_ids=seg, local_window_size=(6, 0))

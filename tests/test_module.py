@@ -24,7 +24,7 @@ def _split(model):
 
 def compare_with_reference(cp, ref_kwargs, x, dtype, what="", **call):
     """Copies cp's parameters into a reference module and compares output and every gradient."""
-    ref = reference.Attention(D, H, head_dim=d, rngs=nnx.Rngs(99), dtype=cp.dtype, **ref_kwargs)
+    ref = reference.Attention(H, D, head_dim=d, rngs=nnx.Rngs(99), dtype=cp.dtype, **ref_kwargs)
     f, state = _split(cp)
     fr, rstate = _split(ref)
     nnx.replace_by_pure_dict(rstate, jax.tree.map(np.asarray, nnx.to_pure_dict(state)))
@@ -69,7 +69,7 @@ def test_nnx_matches_reference(cut, K, chunks, extra, dtype, causal, kv_exchange
     c, u, t = cut
     mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
     kw = dict(num_kv_heads=K, is_causal=causal, **extra)
-    cp = jax_cp.CPAttention(D, H, head_dim=d, mesh=mesh, overlap_chunks=chunks, dtype=dtype, rngs=nnx.Rngs(0),
+    cp = jax_cp.CPAttention(H, D, head_dim=d, mesh=mesh, overlap_chunks=chunks, dtype=dtype, rngs=nnx.Rngs(0),
                             kv_exchange=kv_exchange, fused_qkv_chunks=fused, **kw)
     x = jax.random.normal(jax.random.key(1), (B, S, D), jnp.float32).astype(dtype)
     compare_with_reference(cp, kw, x, dtype, f"{cut=} {K=} {chunks=} {extra} {kv_exchange=} {fused=}")
@@ -80,9 +80,9 @@ def test_overlap_chunks_gqa_hybrid(chunks):
     """Chunking with grouped kv heads on a hybrid tp mesh: head order survives the chunked all-to-alls."""
     mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
     H16 = 16
-    cp = jax_cp.CPAttention(D, H16, num_kv_heads=4, head_dim=d, mesh=mesh, overlap_chunks=chunks,
+    cp = jax_cp.CPAttention(H16, D, num_kv_heads=4, head_dim=d, mesh=mesh, overlap_chunks=chunks,
                             rope_theta=10_000.0, is_causal=True, rngs=nnx.Rngs(0))
-    ref = reference.Attention(D, H16, num_kv_heads=4, head_dim=d, rope_theta=10_000.0, is_causal=True,
+    ref = reference.Attention(H16, D, num_kv_heads=4, head_dim=d, rope_theta=10_000.0, is_causal=True,
                               rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(2), (B, S, D))
     np.testing.assert_allclose(jax.jit(lambda x: cp(x))(x), ref(x), atol=2e-5, rtol=2e-5)
@@ -90,8 +90,8 @@ def test_overlap_chunks_gqa_hybrid(chunks):
 
 def test_same_rngs_same_parameters_and_sharding():
     mesh = jax_cp.make_mesh(cp_ulysses=2, tp=2, dp=2)
-    cp = jax_cp.CPAttention(D, H, num_kv_heads=2, mesh=mesh, use_bias=True, rngs=nnx.Rngs(3))
-    ref = reference.Attention(D, H, num_kv_heads=2, use_bias=True, rngs=nnx.Rngs(3))
+    cp = jax_cp.CPAttention(H, D, num_kv_heads=2, mesh=mesh, use_bias=True, rngs=nnx.Rngs(3))
+    ref = reference.Attention(H, D, num_kv_heads=2, use_bias=True, rngs=nnx.Rngs(3))
     for name, value in nnx.to_pure_dict(nnx.state(ref)).items():
         np.testing.assert_array_equal(np.asarray(getattr(cp, name)[...]), np.asarray(value))
     assert cp.q_kernel[...].sharding.spec == P(None, "tp", None)
@@ -106,7 +106,7 @@ def test_jit_init_and_optax_step(axis_type):
     """Initialised sharded inside jit (no full copy on one device), then trained with optax."""
     mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2, axis_types=axis_type)
     with jax.set_mesh(mesh):
-        model = nnx.jit(lambda: jax_cp.CPAttention(D, H, num_kv_heads=1, mesh=mesh, is_causal=True,
+        model = nnx.jit(lambda: jax_cp.CPAttention(H, D, num_kv_heads=1, mesh=mesh, is_causal=True,
                                                    rngs=nnx.Rngs(0)))()
     assert model.v_kernel[...].sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, None)), 3)
     assert model.q_kernel[...].sharding.is_equivalent_to(NamedSharding(mesh, P(None, "tp", None)), 3)
@@ -130,13 +130,13 @@ def test_linen_matches_reference(cut):
     c, u, t = cut
     mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
     kw = dict(num_kv_heads=2, is_causal=True, use_qk_norm=True, rope_theta=10_000.0, use_bias=True)
-    model = jax_cp.linen.CPAttention(D, H, head_dim=d, mesh=mesh, overlap_chunks=2 if u * t < 8 else 1, **kw)
+    model = jax_cp.linen.CPAttention(H, D, head_dim=d, mesh=mesh, overlap_chunks=2 if u * t < 8 else 1, **kw)
     x = jax.random.normal(jax.random.key(1), (B, S, D))
     variables = model.init(jax.random.key(0), x)
     specs = nn.get_partition_spec(variables)["params"]
     assert specs["q_kernel"] == P(None, "tp", None) and specs["o_kernel"] == P("tp", None, None)
     params = nn.unbox(variables)["params"]
-    ref = reference.Attention(D, H, head_dim=d, rngs=nnx.Rngs(0), **kw)
+    ref = reference.Attention(H, D, head_dim=d, rngs=nnx.Rngs(0), **kw)
     fr, rstate = _split(ref)
     nnx.replace_by_pure_dict(rstate, jax.tree.map(np.asarray, params))
     ct = jax.random.normal(jax.random.key(7), x.shape)
@@ -152,26 +152,26 @@ def test_linen_matches_reference(cut):
 def test_module_errors():
     mesh = jax_cp.make_mesh(cp_ulysses=4, tp=2)
     with pytest.raises(ValueError, match=r"num_heads=4 is not divisible by tp\*cp_ulysses=2\*4=8"):
-        jax_cp.CPAttention(D, 4, mesh=mesh, rngs=nnx.Rngs(0))
+        jax_cp.CPAttention(4, D, mesh=mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"overlap_chunks=3 does not divide the 2 query heads per device"):
-        jax_cp.CPAttention(D, 16, mesh=mesh, overlap_chunks=3, rngs=nnx.Rngs(0))
+        jax_cp.CPAttention(16, D, mesh=mesh, overlap_chunks=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"mesh=None: pass the mesh"):
-        jax_cp.CPAttention(D, 8, mesh=None, rngs=nnx.Rngs(0))
+        jax_cp.CPAttention(8, D, mesh=None, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"num_heads=8 is not a multiple of num_kv_heads=3"):
-        jax_cp.CPAttention(D, 8, num_kv_heads=3, mesh=mesh, rngs=nnx.Rngs(0))
+        jax_cp.CPAttention(8, D, num_kv_heads=3, mesh=mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"in_features=30 is not divisible by num_heads=8"):
-        jax_cp.CPAttention(30, 8, mesh=mesh, rngs=nnx.Rngs(0))
+        jax_cp.CPAttention(8, 30, mesh=mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"fused_qkv_chunks=1 cannot be combined with kv_exchange='all_to_all'.*"
                                          r"Use kv_exchange='all_gather' or 'ring', or fused_qkv_chunks=0"):
-        jax_cp.CPAttention(D, 8, mesh=mesh, kv_exchange="all_to_all", fused_qkv_chunks=1, rngs=nnx.Rngs(0))
+        jax_cp.CPAttention(8, D, mesh=mesh, kv_exchange="all_to_all", fused_qkv_chunks=1, rngs=nnx.Rngs(0))
     for bad in (3, -1, True):
         with pytest.raises(ValueError, match=rf"fused_qkv_chunks={bad!r} must be an integer from 0 to overlap_chunks=2"):
-            jax_cp.CPAttention(D, 16, mesh=mesh, overlap_chunks=2, fused_qkv_chunks=bad, rngs=nnx.Rngs(0))
-    attn = jax_cp.CPAttention(D, 8, mesh=mesh, rngs=nnx.Rngs(0))
+            jax_cp.CPAttention(16, D, mesh=mesh, overlap_chunks=2, fused_qkv_chunks=bad, rngs=nnx.Rngs(0))
+    attn = jax_cp.CPAttention(8, D, mesh=mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"x.shape=\(2, 16, 16\) must be \(batch, seq_len, in_features=32\)"):
         attn(jnp.zeros((2, 16, 16)))
     with pytest.raises(ValueError, match=r"mesh=None: pass the mesh"):
-        jax_cp.linen.CPAttention(D, 8).init(jax.random.key(0), jnp.zeros((2, 16, D)))
+        jax_cp.linen.CPAttention(8, D).init(jax.random.key(0), jnp.zeros((2, 16, D)))
 
 
 def test_tie_cotangents_is_identity_with_a_backward_barrier():

@@ -400,7 +400,7 @@ def test_v5p_compiles_default_positions():
     (dict(cp_ulysses=3), r"cp_colossal\*cp_ulysses\*tp=1\*3\*1=3 does not divide the topology's 8 devices"),
     (dict(cp_ulysses=0), "cp_ulysses=0 must be a positive integer"),
     (dict(cp_ulysses=2, batch=3), "batch=3 is not divisible by dp=4"),
-    (dict(cp_ulysses=1, tp=8, overlap_chunks=2), r"num_heads=8 is not divisible by tp\*cp_ulysses\*overlap_chunks=8\*1\*2"),
+    (dict(cp_ulysses=1, tp=8, overlap_chunks=2), r"overlap_chunks=2 does not divide the 1 query heads per device \(num_heads=8, tp\*cp_ulysses=8\)"),
     (dict(strategy="greedy"), "strategy='greedy' must be one of"),
     (dict(cp_ulysses=1, cp_colossal=8, kv_exchange="carrier_pigeon"), "kv_exchange='carrier_pigeon' must be one of"),
 ])

@@ -53,7 +53,7 @@ def test_module_passes_ring_through():
     x = jax.random.normal(jax.random.key(0), (2, 32, 16), F32)
 
     def run(kv_exchange, fused):
-        model = jax_cp.CPAttention(16, 4, num_kv_heads=2, head_dim=8, mesh=mesh, is_causal=True, overlap_chunks=2,
+        model = jax_cp.CPAttention(4, 16, num_kv_heads=2, head_dim=8, mesh=mesh, is_causal=True, overlap_chunks=2,
                                    kv_exchange=kv_exchange, fused_qkv_chunks=fused, rngs=nnx.Rngs(0))
         loss = lambda m, x: (m(x) ** 2).sum()
         return nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))(model, x)

@@ -14,6 +14,7 @@ import sys
 
 
 def parser() -> argparse.ArgumentParser:
+    from jax_cp import exchanges
     from jax_cp.plan._models import MODELS
 
     p = argparse.ArgumentParser(prog="python -m jax_cp.plan", description=__doc__.splitlines()[0],
@@ -26,7 +27,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cp-colossal", type=int, default=1)
     p.add_argument("--cp-ulysses", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--kv-exchange", default="all_gather")
+    p.add_argument("--kv-exchange", default=exchanges.DEFAULT.name, help=" | ".join(exchanges.NAMES))
     p.add_argument("--overlap-chunks", type=int, default=1)
     p.add_argument("--fused-qkv-chunks", type=int, default=0,
                    help="leading head chunks whose Q, K and V share one cp_ulysses all-to-all "

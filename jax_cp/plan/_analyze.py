@@ -16,8 +16,9 @@ import time
 
 import jax
 
+from jax_cp import exchanges
 from jax_cp._checks import check_positive_int
-from jax_cp._mesh import make_mesh
+from jax_cp._mesh import MeshDims, make_mesh
 from jax_cp.plan import _auto
 from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
 from jax_cp.plan._chips import chip_for
@@ -33,10 +34,8 @@ _TOPOLOGIES: dict[str, object] = {}
 
 
 def kv_exchanges() -> tuple[str, ...]:
-    """The colossal K/V exchanges this installation offers (``"ring"`` once it lands)."""
-    from jax_cp._attention import KV_EXCHANGES
-
-    return tuple(KV_EXCHANGES)
+    """The names of the colossal K/V exchanges this installation offers (``jax_cp.exchanges.NAMES``)."""
+    return exchanges.NAMES
 
 
 def _allow_shared_libtpu() -> None:
@@ -86,13 +85,7 @@ def check_degrees(n_devices: int, shape: LayerShape, c: int, u: int, t: int) -> 
                          f"(cp_colossal*cp_ulysses*tp={c * u * t})); use a batch that is a multiple of {dp}.")
     if shape.seq_len % (c * u):
         raise ValueError(f"seq_len={shape.seq_len} is not divisible by cp_colossal*cp_ulysses={c * u}.")
-    if shape.num_heads % (t * u * shape.overlap_chunks):
-        raise ValueError(
-            f"num_heads={shape.num_heads} is not divisible by tp*cp_ulysses*overlap_chunks="
-            f"{t}*{u}*{shape.overlap_chunks}; choose smaller degrees."
-        )
-    if shape.kv_exchange not in kv_exchanges():
-        raise ValueError(f"kv_exchange={shape.kv_exchange!r} must be one of {kv_exchanges()}.")
+    shape.attention.layout(MeshDims(dp=dp, c=c, u=u, t=t))  # heads and chunks against tp*cp_ulysses
     return dp
 
 
@@ -199,7 +192,7 @@ def analyze_layout(topology: str, shape: LayerShape, c: int, u: int, t: int, *, 
 def analyze(
     *, topology: str, model: str | ModelSpec = "llama3-8b", seq_len: int, batch: int = 1,
     strategy: str = "manual", cp_colossal: int = 1, cp_ulysses: int = 1, tp: int = 1,
-    kv_exchange: str = "all_gather", overlap_chunks: int = 1, fused_qkv_chunks: int = 0,
+    kv_exchange: str | exchanges.KVExchange = exchanges.DEFAULT, overlap_chunks: int = 1, fused_qkv_chunks: int = 0,
     kernel: str = "blockwise", is_causal: bool = True,
     dtype: str = "bfloat16", param_dtype: str = "float32", memory_budget: int | None = None,
     baseline: bool = True, candidates: int = 2, xla_flags: tuple[str, ...] | None = None,
@@ -264,7 +257,7 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
             break
         if n_layouts >= 3 * candidates:
             break
-        for chunks, fused in ((1, 0), (2, 0)) + (((2, 2), (4, 1)) if u > 1 and ex != "all_to_all" else ()):
+        for chunks, fused in ((1, 0), (2, 0)) + (((2, 2), (4, 1)) if u > 1 and exchanges.resolve(ex).fuses_qkv else ()):
             s = dataclasses.replace(shape, kv_exchange=ex, overlap_chunks=chunks, fused_qkv_chunks=fused)
             if shape.num_heads % (t * u * chunks):
                 continue

@@ -17,7 +17,9 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_cp._checks import check_positive_fields
-from jax_cp._mesh import CP, DP, TP, ULYSSES, lcm, mesh_dims
+from jax_cp._mesh import CP, DP, TP, ULYSSES, mesh_dims
+from jax_cp._spec import AttentionSpec
+from jax_cp.exchanges import DEFAULT
 
 __all__ = ["LayerShape", "cp_layer", "naive_layer"]
 
@@ -26,7 +28,7 @@ X_SPEC = P(DP, CP, None)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerShape:
-    """One attention layer and its input: sizes, dtypes, mask and the knobs of CPAttention."""
+    """One attention layer and its input: sizes, dtypes, and the ``CPAttention`` knobs (``.attention``)."""
 
     batch: int
     seq_len: int
@@ -39,20 +41,27 @@ class LayerShape:
     is_causal: bool = True
     rope_theta: float | None = 500_000.0
     kernel: str = "auto"
-    kv_exchange: str = "all_gather"
+    kv_exchange: str = DEFAULT.name  # a jax_cp.exchanges name (a value is stored as its name)
     overlap_chunks: int = 1
     fused_qkv_chunks: int = 0
 
     def __post_init__(self):
-        check_positive_fields(
-            self, ("batch", "seq_len", "d_model", "num_heads", "num_kv_heads", "head_dim", "overlap_chunks"))
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}.")
+        check_positive_fields(self, ("batch", "seq_len", "d_model"))
+        object.__setattr__(self, "kv_exchange", self.attention.kv_exchange.name)  # validates the layer once
         for name in ("dtype", "param_dtype"):
             try:
                 jnp.dtype(getattr(self, name))
             except TypeError:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not a dtype name (e.g. 'bfloat16').") from None
+
+    @property
+    def attention(self) -> AttentionSpec:
+        """The layer as ``CPAttention`` sees it (validated)."""
+        return AttentionSpec(
+            num_heads=self.num_heads, in_features=self.d_model, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, is_causal=self.is_causal, rope_theta=self.rope_theta, kernel=self.kernel,
+            kv_exchange=self.kv_exchange, overlap_chunks=self.overlap_chunks,
+            fused_qkv_chunks=self.fused_qkv_chunks)
 
 
 def _sds(shape, dtype, mesh, spec):
@@ -76,12 +85,14 @@ def cp_layer(shape: LayerShape, mesh):
 
     from jax_cp import CPAttention
 
+    a = shape.attention
+
     def make():
         return CPAttention(
-            shape.d_model, shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, mesh=mesh,
-            is_causal=shape.is_causal, rope_theta=shape.rope_theta, dtype=jnp.dtype(shape.dtype),
-            param_dtype=jnp.dtype(shape.param_dtype), overlap_chunks=shape.overlap_chunks, kernel=shape.kernel,
-            kv_exchange=shape.kv_exchange, fused_qkv_chunks=shape.fused_qkv_chunks, rngs=nnx.Rngs(0),
+            a.num_heads, a.in_features, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, mesh=mesh,
+            is_causal=a.is_causal, rope_theta=a.rope_theta, dtype=jnp.dtype(shape.dtype),
+            param_dtype=jnp.dtype(shape.param_dtype), overlap_chunks=a.overlap_chunks, kernel=a.kernel,
+            kv_exchange=a.kv_exchange, fused_qkv_chunks=a.fused_qkv_chunks, rngs=nnx.Rngs(0),
         )
 
     graphdef, state = nnx.split(nnx.eval_shape(make))
@@ -99,24 +110,23 @@ def cp_layer(shape: LayerShape, mesh):
 
 def naive_layer(shape: LayerShape, mesh):
     """The baseline: ``x @ [Wq|Wk|Wv]`` in one matmul, then every collective after it."""
-    from jax_cp._attention import META_SPEC, attend_shard, placed_metadata
-    from jax_cp._collectives import heads_to_seq, seq_to_heads
+    from jax_cp._body import META_SPEC, placed_metadata
+    from jax_cp._ulysses import heads_to_seq, seq_to_heads
+    from jax_cp.exchanges import Meta
 
     dims = mesh_dims(mesh)
+    spec = shape.attention
+    layout = spec.replace(overlap_chunks=1, fused_qkv_chunks=0).layout(dims)
     H, d, D, t = shape.num_heads, shape.head_dim, shape.d_model, dims.t
-    if H % (t * dims.u):
-        raise ValueError(f"num_heads={H} is not divisible by tp*cp_ulysses={t * dims.u}.")
-    kv = lcm(shape.num_kv_heads, t * dims.u)  # kv heads after minimal repetition, as CPAttention does
-    hq, hk = H // t, kv // t  # per tp rank
+    hq, hk = H // t, layout.kv_expanded // t  # per tp rank; kv heads repeated minimally, as CPAttention does
     dt = jnp.dtype(shape.dtype)
 
     def shard(w_qkv, w_o, x_BSD, pos_BS):
         B, s, _ = x_BSD.shape
         y = jnp.einsum("bsd,dte->bse", x_BSD.astype(dt), w_qkv.astype(dt))
         q, k, v = jnp.split(y, [hq * d, (hq + hk) * d], axis=-1)
-        q, k, v = (seq_to_heads(a.reshape(B, s, -1, d), ULYSSES) for a in (q, k, v))
-        o = attend_shard(q, k, v, pos_BS, None, kernel=shape.kernel, kv_exchange=shape.kv_exchange,
-                         is_causal=shape.is_causal)
+        q, k, v = (seq_to_heads((a.reshape(B, s, -1, d),), ULYSSES)[0] for a in (q, k, v))
+        o = spec.kv_exchange.attend(q, k, v, Meta(pos_BS), spec)
         o = heads_to_seq(o, ULYSSES).reshape(B, s, hq * d)
         return lax.psum(jnp.einsum("bse,ted->bsd", o, w_o.astype(dt)), TP)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_cp._checks import check_positive_fields
+from jax_cp._spec import AttentionSpec
 
 __all__ = ["ModelSpec", "MODELS", "model_spec"]
 
@@ -19,9 +19,12 @@ class ModelSpec:
     rope_theta: float | None = 500_000.0
 
     def __post_init__(self):
-        check_positive_fields(self, ("d_model", "num_heads", "num_kv_heads", "head_dim"))
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}.")
+        self.attention  # noqa: B018  (validates the shapes once, with the layer's own messages)
+
+    @property
+    def attention(self) -> AttentionSpec:
+        return AttentionSpec(num_heads=self.num_heads, in_features=self.d_model, num_kv_heads=self.num_kv_heads,
+                             head_dim=self.head_dim, rope_theta=self.rope_theta)
 
 
 MODELS = {

@@ -1,0 +1,95 @@
+"""The one per-shard body of every attention call, and the metadata it is handed.
+
+``attention_shard`` runs inside ``jax.shard_map`` for ``CPAttention`` and for
+``dot_product_attention`` alike; what differs is the ``projections`` object:
+
+    per head chunk i:
+      parts = projections.q_parts(i)         Q (or Q, K, V when chunk i is fused), QK-norm/RoPE applied
+      q, *kv = seq_to_heads(parts)           the Ulysses exchange, one all-to-all
+      o = exchange.attend(q, k, v, ...)      the K/V exchange over cp_colossal and the local kernel
+          (or exchange.attend_local(q, *projections.kv_parts(i), ...) when K/V were not fused)
+      y += projections.output(i, o)          inverse all-to-all (+ output projection)
+    projections.finish(y)                    psum over tp (+ output bias)
+
+Letters: B batch, S sequence.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jax_cp._mesh import DP, ULYSSES, place
+from jax_cp._ulysses import heads_to_seq, seq_to_heads
+from jax_cp.exchanges import Meta
+
+__all__ = ["attention_shard", "GivenQKV", "placed_metadata", "check_metadata", "META_SPEC"]
+
+# [B, S] positions / segment ids: replicated over the sequence axes. Each device slices
+# the parts it needs, so the layer runs no collective for metadata (ints, B*S*4 bytes,
+# gathered once outside the layer and shared by every layer of a model).
+META_SPEC = P(DP, None)
+
+
+def attention_shard(projections, pos_BS, seg_BS, *, spec):
+    """Per device: every head chunk through project -> exchange -> attend -> output, then finish."""
+    meta, exchange = Meta(pos_BS, seg_BS), spec.kv_exchange
+    y = 0
+    for i in range(spec.overlap_chunks):
+        # Chunk i's collectives depend on nothing of chunk i+1: XLA hides one under the other.
+        q, *kv = seq_to_heads(projections.q_parts(i), ULYSSES)
+        if kv:  # Q, K and V crossed cp_ulysses together
+            o = exchange.attend(q, *kv, meta, spec)
+        else:  # K/V projected after Q's all-to-all was issued
+            o = exchange.attend_local(q, *projections.kv_parts(i), meta, spec)
+        y = y + projections.output(i, o)
+    return projections.finish(y)
+
+
+class GivenQKV:
+    """``dot_product_attention``'s projections: the given q, k, v, one chunk, no weights."""
+
+    def __init__(self, q, k, v):
+        self.q, self.k, self.v = q, k, v
+
+    def q_parts(self, i):
+        return (self.q,)
+
+    def kv_parts(self, i):
+        return self.k, self.v
+
+    def output(self, i, o):
+        return heads_to_seq(o, ULYSSES)
+
+    def finish(self, y):
+        return y
+
+
+def check_metadata(name: str, value, batch: int, seq_len: int):
+    """``[S]`` or ``[B, S]`` integer array -> ``[B, S]`` int32 (``None`` passes)."""
+    if value is None:
+        return None
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+        raise ValueError(f"{name}.dtype={value.dtype} must be an integer dtype (e.g. int32).")
+    if value.shape not in ((seq_len,), (batch, seq_len)):
+        raise ValueError(f"{name}.shape={value.shape} must be (seq_len,)=({seq_len},) or (batch, seq_len)=({batch}, {seq_len}).")
+    return jnp.broadcast_to(value.astype(jnp.int32), (batch, seq_len))
+
+
+def placed_metadata(positions, segment_ids, batch: int, seq_len: int, mesh):
+    """Checked, placed ``[B, S]`` positions (``arange`` when None) and segment ids (if given).
+
+    Returns the shard_map arguments and their in_specs, so every entry point
+    hands its per-shard function ``pos_BS`` and, only when given, ``seg_BS``.
+    """
+    positions = check_metadata("positions", positions, batch, seq_len)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
+    segment_ids = check_metadata("segment_ids", segment_ids, batch, seq_len)
+    present = [place(a, mesh, META_SPEC) for a in (positions, segment_ids) if a is not None]
+    # Opaque to constant folding: folded into the kernel's per-block bounds, the default arange
+    # becomes a reduce over an iota that libtpu 0.0.52 aborts on while splitting it over a v5p
+    # chip's two TensorCores (MegacoreTransformWindow check failure).
+    return list(lax.optimization_barrier(tuple(present))), [META_SPEC] * len(present)

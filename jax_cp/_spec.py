@@ -1,0 +1,129 @@
+"""``AttentionSpec``: the one validated description of an attention layer.
+
+Heads, head dims, mask, chunks, K/V exchange and kernel, checked once on
+creation; the modules, ``dot_product_attention``, the planner and ``models/``
+derive from it, and every shape or divisibility error is raised here.
+``Layout`` is how a spec's heads land on a mesh.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jax_cp import exchanges as _exchanges
+from jax_cp import kernels as _kernels
+from jax_cp._checks import check_positive_fields, check_positive_int
+from jax_cp._masks import Window, normalize_window
+from jax_cp._mesh import MeshDims, lcm
+
+__all__ = ["AttentionSpec", "Layout", "check_seq_batch"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionSpec:
+    """One attention layer, mesh-independent; validated on creation.
+
+    ``num_kv_heads=None`` means ``num_heads``; ``head_dim=None`` means
+    ``in_features // num_heads``. ``in_features`` is the model width (``None``
+    for :func:`jax_cp.dot_product_attention`, which has no projections).
+    ``kv_exchange`` is a ``jax_cp.exchanges`` value or its name (stored as the value).
+    """
+
+    num_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    in_features: int | None = None
+    is_causal: bool = False
+    local_window_size: Window | int = None
+    scale: float | None = None
+    use_qk_norm: bool = False
+    rope_theta: float | None = None
+    use_bias: bool = False
+    overlap_chunks: int = 1
+    fused_qkv_chunks: int = 0
+    kernel: str = "auto"
+    kv_exchange: _exchanges.KVExchange | str = _exchanges.DEFAULT
+
+    def __post_init__(self):
+        set_ = partial_setattr(self)
+        check_positive_int("num_heads", self.num_heads)
+        if self.head_dim is None:
+            if self.in_features is None:
+                raise ValueError("head_dim=None needs in_features to derive it from; pass head_dim.")
+            check_positive_int("in_features", self.in_features)
+            if self.in_features % self.num_heads:
+                raise ValueError(f"in_features={self.in_features} is not divisible by num_heads={self.num_heads}; "
+                                 "pass head_dim explicitly.")
+            set_("head_dim", self.in_features // self.num_heads)
+        set_("num_kv_heads", self.num_heads if self.num_kv_heads is None else self.num_kv_heads)
+        check_positive_fields(self, ("num_kv_heads", "head_dim", "overlap_chunks")
+                              + (("in_features",) if self.in_features is not None else ()))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
+                "grouped-query attention needs kv heads dividing the query heads."
+            )
+        if self.rope_theta is not None and (self.rope_theta <= 0 or self.head_dim % 2):
+            raise ValueError(f"rope_theta={self.rope_theta} needs rope_theta > 0 and an even head_dim "
+                             f"(got {self.head_dim}).")
+        set_("local_window_size", normalize_window(self.local_window_size))
+        _kernels.check_kernel(self.kernel)
+        set_("kv_exchange", _exchanges.resolve(self.kv_exchange))
+        self.kv_exchange.check_kernel(self.kernel)
+        self._check_fused()
+
+    def _check_fused(self):
+        f, ex = self.fused_qkv_chunks, self.kv_exchange
+        if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f <= self.overlap_chunks:
+            raise ValueError(f"fused_qkv_chunks={f!r} must be an integer from 0 to "
+                             f"overlap_chunks={self.overlap_chunks} (how many leading head chunks send "
+                             "Q, K and V in one all-to-all).")
+        if f and not ex.fuses_qkv:
+            others = " or ".join(repr(x.name) for x in _exchanges.EXCHANGES if x.fuses_qkv)
+            raise ValueError(f"fused_qkv_chunks={f} cannot be combined with kv_exchange={ex.name!r}: "
+                             f"{ex.no_fuse_reason}. Use kv_exchange={others}, or fused_qkv_chunks=0.")
+
+    def replace(self, **changes) -> "AttentionSpec":
+        """A copy with ``changes``, validated again."""
+        return dataclasses.replace(self, **changes)
+
+    def layout(self, dims: MeshDims) -> "Layout":
+        """How the heads land on a mesh of ``dims``; a ValueError when they do not divide."""
+        tu, n = dims.t * dims.u, self.overlap_chunks
+        if self.num_heads % tu:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not divisible by tp*cp_ulysses={dims.t}*{dims.u}={tu}; "
+                "choose a head count divisible by it or a smaller tp/cp_ulysses."
+            )
+        if self.num_heads % (tu * n):
+            raise ValueError(
+                f"overlap_chunks={n} does not divide the {self.num_heads // tu} query heads per device "
+                f"(num_heads={self.num_heads}, tp*cp_ulysses={tu}); choose a divisor of it."
+            )
+        return Layout(dims, lcm(self.num_kv_heads, tu * n), self.num_kv_heads % dims.t == 0)
+
+    def ties_chunks(self, dims: MeshDims) -> bool:
+        """The chunk-to-chunk gradient tie: hybrid layouts (c > 1 and u > 1), where the exchange allows it."""
+        return dims.c > 1 and dims.u > 1 and self.kv_exchange.ties_chunks
+
+
+def partial_setattr(obj):
+    return lambda name, value: object.__setattr__(obj, name, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a layer's heads land on a mesh: kv repetition and whether kv weights split over tp."""
+
+    dims: MeshDims
+    kv_expanded: int  # kv heads after minimal repetition, a multiple of t*u*chunks
+    kv_sharded: bool  # kv weights split over tp (else replicated, sliced per tp rank)
+
+
+def check_seq_batch(batch: int, seq_len: int, dims: MeshDims) -> None:
+    if seq_len % dims.cp:
+        raise ValueError(
+            f"seq_len={seq_len} is not divisible by cp_colossal*cp_ulysses={dims.c}*{dims.u}={dims.cp}; "
+            "pad the sequence to a multiple of it."
+        )
+    if batch % dims.dp:
+        raise ValueError(f"batch={batch} is not divisible by dp={dims.dp}; use a batch that is a multiple of dp.")

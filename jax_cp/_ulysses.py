@@ -1,0 +1,88 @@
+"""The Ulysses exchange over ``cp_ulysses``: sequence-sharded <-> head-sharded, forward and inverse.
+
+``seq_to_heads`` sends several tensors in one all-to-all (``[B, S/u, H_i, d] ->
+[B, S, H_i/u, d]``), ``heads_to_seq`` is its inverse; each ``jax.custom_vjp``
+backward is the other direction, one collective. ``a2a`` is the bare
+all-to-all both are built from (a no-op on an axis of size 1).
+Letters: B batch, S sequence, H heads, d head dim; axis 1 is the sequence, axis 2 the heads.
+"""
+from __future__ import annotations
+
+import itertools
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["a2a", "seq_to_heads", "heads_to_seq"]
+
+
+def a2a(x, axis_name, split_axis, concat_axis):
+    """``lax.all_to_all(tiled=True)``, skipped on an axis of size 1."""
+    if lax.axis_size(axis_name) == 1:
+        return x
+    return lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=True)
+
+
+def _pack(parts, u: int):
+    """Parts ``[B, S, H_i, d]`` -> ``[B, S, u, sum_i H_i/u, d]``: head group j of every part in slot j."""
+    B, S = parts[0].shape[:2]
+    return jnp.concatenate([p.reshape(B, S, u, p.shape[2] // u, p.shape[3]) for p in parts], axis=3)
+
+
+def _split(a, sizes, axis: int):
+    """``a`` cut along ``axis`` into consecutive pieces of ``sizes``."""
+    return tuple(jnp.split(a, list(itertools.accumulate(sizes))[:-1], axis=axis)) if len(sizes) > 1 else (a,)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def seq_to_heads(parts, axis_name):
+    """One all-to-all for a tuple of tensors: each ``[B, S/u, H_i, d] -> [B, S, H_i/u, d]``.
+
+    Head group j of every part travels to the device of ``axis_name`` rank j
+    in the same collective (TPUs run one all-to-all at a time, so one larger
+    exchange leaves more compute to hide it under than several small ones).
+    Backward: the inverse all-to-all, also one collective.
+    """
+    u = lax.axis_size(axis_name)
+    if u == 1:
+        return tuple(parts)
+    y = a2a(_pack(parts, u), axis_name, 2, 1)  # [B, S, 1, sum H_i/u, d]
+    return _split(y[:, :, 0], [p.shape[2] // u for p in parts], 2)
+
+
+def _s2h_fwd(parts, axis_name):
+    return seq_to_heads(parts, axis_name), None
+
+
+def _s2h_bwd(axis_name, _, gs):
+    u = lax.axis_size(axis_name)
+    if u == 1:
+        return (tuple(gs),)
+    B, S = gs[0].shape[:2]
+    g = jnp.concatenate([g_[:, :, None] for g_ in gs], axis=3)  # [B, S, 1, sum h_i, d]
+    g = a2a(g, axis_name, 1, 2)  # [B, S/u, u, sum h_i, d]
+    sizes = [g_.shape[2] for g_ in gs]
+    chunks = _split(g, sizes, 3)
+    return (tuple(c.reshape(B, S // u, u * h, c.shape[-1]) for c, h in zip(chunks, sizes)),)
+
+
+seq_to_heads.defvjp(_s2h_fwd, _s2h_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def heads_to_seq(x_BSHd, axis_name):
+    """The inverse: ``[B, S, H/u, d] -> [B, S/u, H, d]`` (split sequence, join heads)."""
+    return a2a(x_BSHd, axis_name, 1, 2)
+
+
+def _h2s_fwd(x, axis_name):
+    return heads_to_seq(x, axis_name), None
+
+
+def _h2s_bwd(axis_name, _, g):
+    return (a2a(g, axis_name, 2, 1),)
+
+
+heads_to_seq.defvjp(_h2s_fwd, _h2s_bwd)

@@ -1,0 +1,71 @@
+"""What every K/V exchange is: a frozen value with its collective, attend step and constraints.
+
+An exchange moves K and V across ``cp_colossal`` so that each device's queries
+(its contiguous colossal chunk, after the Ulysses all-to-all) meet every key.
+Subclasses state the collective (with its ``jax.custom_vjp`` backward) and
+``attend``; the defaults here are what most exchanges share.
+Letters: B batch, T local queries (S/c), S keys, H local query heads, K local kv heads, d head dim.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, NamedTuple
+
+import jax
+
+from jax_cp import kernels as _kernels
+from jax_cp._mesh import COLOSSAL, ULYSSES, seq_chunk
+from jax_cp._ulysses import seq_to_heads
+
+__all__ = ["KVExchange", "Meta", "attend_gathered", "register", "REGISTRY"]
+
+REGISTRY: list["KVExchange"] = []
+
+
+class Meta(NamedTuple):
+    """Full-sequence mask metadata every device holds: ``[B, S]`` positions and segment ids (or None)."""
+
+    pos: jax.Array
+    seg: jax.Array | None = None
+
+
+def register(cls):
+    """Class decorator: one instance of ``cls`` joins the exchanges the public strings name."""
+    REGISTRY.append(cls())
+    return cls
+
+
+@dataclasses.dataclass(frozen=True)
+class KVExchange:
+    """Base of the K/V exchanges (``jax_cp.exchanges.AllGather``, ``AllToAll``, ``Ring``)."""
+
+    name: ClassVar[str]
+    fuses_qkv: ClassVar[bool] = True  # Q, K and V may share one Ulysses all-to-all (fused_qkv_chunks)
+    ties_chunks: ClassVar[bool] = True  # the chunk-to-chunk gradient tie helps on hybrid layouts
+    no_fuse_reason: ClassVar[str] = ""
+
+    def __str__(self) -> str:
+        return self.name
+
+    def check_kernel(self, kernel: str) -> None:
+        """Raises a ValueError if this exchange's attend step cannot run ``kernel``."""
+
+    def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec):
+        """Per device: queries and K/V of the colossal chunk (heads split) -> ``o [B, T, H, d]``."""
+        raise NotImplementedError
+
+    def attend_local(self, q_BTHd, k_BtKd, v_BtKd, meta: Meta, spec):
+        """As ``attend``, with K/V still on the device's own tokens ``[B, S/(c*u), ...]``:
+        K and V cross ``cp_ulysses`` in one all-to-all first."""
+        k, v = seq_to_heads((k_BtKd, v_BtKd), ULYSSES)
+        return self.attend(q_BTHd, k, v, meta, spec)
+
+
+def attend_gathered(q_BTHd, kv_BS2Kd, meta: Meta, spec):
+    """The local kernel on the colossal chunk of queries and every token's K and V (stacked on axis 2)."""
+    pos, seg = seq_chunk(meta.pos, (COLOSSAL,)), seq_chunk(meta.seg, (COLOSSAL,))
+    return _kernels.local_attention(
+        q_BTHd, kv_BS2Kd[:, :, 0], kv_BS2Kd[:, :, 1], kernel=spec.kernel, q_positions=pos,
+        kv_positions=meta.pos, q_segment_ids=seg, kv_segment_ids=meta.seg, is_causal=spec.is_causal,
+        local_window_size=spec.local_window_size, scale=spec.scale,
+    )

@@ -1,0 +1,107 @@
+"""Each collective as a tiny per-shard function inside ``jax.shard_map``, against the plain global result.
+
+One test per pattern (jax's ``tests/shard_map_test.py`` is the model): the Ulysses
+exchange and its inverse, each K/V exchange's collective, and each K/V exchange's
+attend step against ``jax_cp.reference``; every ``custom_vjp`` passes
+``jax.test_util.check_grads`` (its stated backward against numerical derivatives).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+from jax.test_util import check_grads
+
+import jax_cp
+from jax_cp import exchanges, reference
+from jax_cp._ulysses import heads_to_seq, seq_to_heads
+from jax_cp.exchanges.all_gather import gather_seq
+from jax_cp.exchanges.all_to_all import spread_kv
+from util import assert_close
+
+F32 = jnp.float32
+
+COL, ULY, DP = jax_cp.COLOSSAL, jax_cp.ULYSSES, jax_cp.DP
+GRAD = dict(order=1, modes=("rev",), atol=1e-2, rtol=1e-2, eps=1e-2)
+
+
+def _x(*shape, seed=0):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _mesh(**degrees):
+    return jax_cp.make_mesh(**degrees, axis_types=AxisType.Auto)  # plain global arrays in, as in jax's tests
+
+
+def _smap(mesh, in_specs, out_specs):
+    """``fn -> jit(shard_map(fn))`` on ``mesh`` (jitted: check_grads calls it many times)."""
+    return lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def test_ulysses_exchange_moves_tokens_to_head_groups():
+    """seq_to_heads: [B, S/u, H_i, d] -> [B, S, H_i/u, d] for two parts in one all-to-all; inverse round-trips."""
+    mesh = _mesh(cp_ulysses=4)  # dp=2
+    a, b = _x(2, 8, 4, 3), _x(2, 8, 8, 3, seed=1)
+    fwd = _smap(mesh, (P(DP, ULY), P(DP, ULY)), (P(DP, None, ULY), P(DP, None, ULY)))(
+        lambda a, b: seq_to_heads((a, b), ULY))
+    ya, yb = fwd(a, b)  # globally the same arrays, now sharded by heads
+    np.testing.assert_array_equal(ya, a)
+    np.testing.assert_array_equal(yb, b)
+    inv = _smap(mesh, P(DP, None, ULY), P(DP, ULY))(lambda o: heads_to_seq(o, ULY))
+    np.testing.assert_array_equal(inv(b), b)
+    check_grads(lambda a, b: sum(jnp.sum(y * y) for y in fwd(a, b)), (a, b), **GRAD)
+    check_grads(lambda o: jnp.sum(jnp.sin(inv(o))), (b,), **GRAD)
+
+
+def test_gather_seq_gives_every_device_the_whole_sequence():
+    mesh = _mesh(cp_colossal=4)  # dp=2
+    x = _x(2, 8, 2, 3)
+    # Each device's result stacked along the sequence: c copies of the global array.
+    f = _smap(mesh, P(DP, COL), P(DP, COL))(lambda x: gather_seq(x, COL))
+    np.testing.assert_array_equal(f(x), jnp.concatenate([x] * 4, axis=1))
+    check_grads(lambda x: jnp.sum(jnp.sin(f(x)) * f(x)), (x,), **GRAD)
+
+
+@pytest.mark.parametrize("ulysses", [None, ULY])
+def test_spread_kv_is_gather_plus_ulysses_in_one_all_to_all(ulysses):
+    """[B, S/(c*u), P, H, d] -> [B, S, P, H/u, d]: every token, this device's head group."""
+    mesh = _mesh(cp_colossal=2, cp_ulysses=2)  # dp=2
+    x = _x(2, 8, 2, 4, 3)
+    if ulysses is None:  # heads already split: per device [B, S/c, P, H, d] -> [B, S, P, H, d]
+        f = _smap(mesh, P(DP, COL), P(DP, COL))(lambda x: spread_kv(x, COL))
+        np.testing.assert_array_equal(f(x), jnp.concatenate([x] * 2, axis=1))
+    else:
+        f = _smap(mesh, P(DP, (COL, ULY)), P(DP, COL, None, ULY))(lambda x: spread_kv(x, COL, ULY))
+        np.testing.assert_array_equal(f(x), jnp.concatenate([x] * 2, axis=1))
+    check_grads(lambda x: jnp.sum(jnp.sin(f(x)) * f(x)), (x,), **GRAD)
+
+
+@pytest.mark.parametrize("exchange", exchanges.EXCHANGES, ids=exchanges.NAMES)
+def test_exchange_attend_step_equals_reference(exchange):
+    """Per device: local queries (the colossal chunk) against every key through the exchange."""
+    mesh = _mesh(cp_colossal=4)  # dp=2
+    B, S, H, K, d = 2, 16, 2, 1, 4
+    q, k, v = _x(B, S, H, d), _x(B, S, K, d, seed=1), _x(B, S, K, d, seed=2)
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    spec = jax_cp.AttentionSpec(num_heads=H, num_kv_heads=K, head_dim=d, is_causal=True,
+                                kernel="blockwise", kv_exchange=exchange)
+    f = _smap(mesh, (P(DP, COL),) * 3 + (P(DP),), P(DP, COL))(
+        lambda q, k, v, pos: exchange.attend(q, k, v, exchanges.Meta(pos), spec))
+    want = reference.attend(q, k, v, q_positions=pos, kv_positions=pos, is_causal=True)
+    assert_close(f(q, k, v, pos), want, F32, exchange.name)
+    check_grads(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, pos))), (q, k, v), **GRAD)
+
+
+def test_exchanges_are_values_with_their_constraints():
+    assert exchanges.resolve("ring") == exchanges.resolve(exchanges.Ring()) == exchanges.Ring()
+    assert [str(x) for x in exchanges.EXCHANGES] == list(exchanges.NAMES) == ["all_gather", "all_to_all", "ring"]
+    assert exchanges.DEFAULT == exchanges.AllGather()
+    assert not exchanges.AllToAll().fuses_qkv and exchanges.Ring().fuses_qkv
+    assert not exchanges.Ring().ties_chunks and exchanges.AllGather().ties_chunks
+    with pytest.raises(ValueError, match=r"kv_exchange='tree' must be one of \('all_gather', 'all_to_all', 'ring'\)"):
+        exchanges.resolve("tree")
+    # A value is accepted wherever a name is, and the spec stores the value.
+    spec = jax_cp.AttentionSpec(num_heads=4, head_dim=8, kv_exchange="ring")
+    assert spec.kv_exchange == exchanges.Ring()
+    with pytest.raises(ValueError, match=r"kernel='xla' cannot run kv_exchange='ring'"):
+        jax_cp.AttentionSpec(num_heads=4, head_dim=8, kv_exchange=exchanges.Ring(), kernel="xla")
