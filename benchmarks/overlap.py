@@ -4,6 +4,7 @@ For each topology and layout, compiles forward+backward of one Llama-3-8B-sized
 attention layer (D=4096, 32 heads, 8 kv heads, head dim 128, bf16, causal, RoPE):
 
 * ``naive``: one fused QKV projection, then every collective (the baseline);
+* ``defaults``: ``CPAttention`` with every knob left ``"auto"`` (the row names what it resolved to);
 * ``CPAttention``: the library layer, ``overlap_chunks`` 1, 2 and 4, with each
   K/V exchange: ``all_gather`` (``cp``), ``all_to_all`` (``cp-a2a``) and
   ``ring`` (``cp-ring``) where there is a ``cp_colossal`` axis, and with Q, K
@@ -18,6 +19,7 @@ memory and the planner's step-time estimate. Measures only; asserts nothing.
     JAX_PLATFORMS=cpu python benchmarks/overlap.py                 # v5e:4x4 and v5p:4x4x4
     JAX_PLATFORMS=cpu python benchmarks/overlap.py --topology v5e:4x4 --variants cp,naive
     JAX_PLATFORMS=cpu python benchmarks/overlap.py --topology v5e:4x4 --layout 2,4,2 --variants cp-a2a
+    JAX_PLATFORMS=cpu python benchmarks/overlap.py --variants defaults --seq-len 32768   # the defaults
     JAX_PLATFORMS=cpu python benchmarks/overlap.py --digest > before.txt   # lowered programs only (fast)
 
 ``--digest`` lowers instead of compiling and prints a hash of each program's
@@ -60,7 +62,7 @@ def cp_layer_with(kv_exchange: str, fused: str = "none"):
 
 # name -> (label, builder, overlap_chunks tried, needs cp_colossal > 1, needs cp_ulysses > 1)
 VARIANTS = {
-    "cp": ("CPAttention", plan.cp_layer, (1, 2, 4), False, False),
+    "cp": ("CPAttention", cp_layer_with("all_gather"), (1, 2, 4), False, False),
     "cp-ring": ("CPAttention ring", cp_layer_with("ring"), (1, 2, 4), True, False),
     "cp-a2a": ("CPAttention all_to_all", cp_layer_with("all_to_all"), (1, 2, 4), True, False),
     "cp-fused": ("CPAttention fused QKV", cp_layer_with("all_gather", "all"), (1, 2, 4), False, True),
@@ -68,6 +70,8 @@ VARIANTS = {
     "cp-ring-fused": ("CPAttention ring fused QKV", cp_layer_with("ring", "all"), (1, 2, 4), True, True),
     "cp-ring-fused1": ("CPAttention ring first chunk fused", cp_layer_with("ring", "first"), (2, 4), True, True),
     "naive": ("naive fused QKV", plan.naive_layer, (1,), False, False),
+    # CPAttention with its defaults: kv_exchange, overlap_chunks and fused_qkv_chunks all "auto".
+    "defaults": ("CPAttention defaults (auto)", plan.cp_layer, ("auto",), False, False),
 }
 
 
@@ -80,6 +84,7 @@ def main(argv=None):
     p.add_argument("--layouts", default="Ulysses,all-gather,hybrid")
     p.add_argument("--layout", action="append", metavar="C,U,T",
                    help="repeatable: these (cp_colossal, cp_ulysses, tp) instead of the preset layouts")
+    p.add_argument("--seq-len", type=int, help="instead of the preset sequence length of each topology")
     p.add_argument("--digest", action="store_true",
                    help="print a hash of each lowered program instead of compiling (refactor check)")
     p.add_argument("--dump-dir", help="with --digest: also write each lowered program's text here")
@@ -92,6 +97,7 @@ def main(argv=None):
         print("|---|---|---|---|---|---|---|---|---|---|")
     for topo in args.topology or list(CASES):
         batch, seq_len, layouts = CASES[topo]
+        seq_len = args.seq_len or seq_len
         devices = plan.get_topology(topo).devices
         for name, c, u, t in custom or layouts:
             if not custom and name not in args.layouts.split(","):
@@ -102,12 +108,18 @@ def main(argv=None):
                 if (needs_c and c == 1) or (needs_u and u == 1):
                     continue
                 for chunks in chunk_options:
-                    if spec.num_heads % (t * u * chunks):
+                    if chunks != "auto" and spec.num_heads % (t * u * chunks):
                         continue
+                    auto = "auto" if key == "defaults" else None
                     shape = plan.LayerShape(batch=batch, seq_len=seq_len, d_model=spec.d_model,
                                             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                                             head_dim=spec.head_dim, rope_theta=spec.rope_theta, kernel=args.kernel,
-                                            overlap_chunks=chunks)
+                                            overlap_chunks=chunks, kv_exchange=auto or "all_gather",
+                                            fused_qkv_chunks=auto or 0)
+                    if auto:  # the row names what "auto" resolved to
+                        resolved, _ = shape.resolved(mesh)
+                        label = (f"defaults: {resolved.kv_exchange}, chunks={resolved.overlap_chunks}, "
+                                 f"fused={resolved.fused_qkv_chunks}")
                     t0 = time.perf_counter()
                     fn, fargs = build(shape, mesh)
                     if args.digest:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_cp import exchanges as _exchanges
+from jax_cp._defaults import AUTO
 from jax_cp._body import GivenQKV, attention_shard, placed_metadata
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place
 from jax_cp._spec import AttentionSpec, check_seq_batch
@@ -57,7 +57,7 @@ def _check_qkv(query, key, value, layout):
 def dot_product_attention(
     query, key, value, *, mesh, is_causal=False, scale=None, layout="BSHD",
     positions=None, segment_ids=None, local_window_size=None,
-    kernel="auto", kv_exchange=_exchanges.DEFAULT,
+    kernel="auto", kv_exchange=AUTO,
 ):
     """Context-parallel counterpart of ``jax.nn.dot_product_attention``.
 
@@ -68,15 +68,17 @@ def dot_product_attention(
     ``layout`` is ``"BSHD"`` or ``"BNSD"``. ``positions`` and ``segment_ids``
     (``[S]`` or ``[B, S]`` ints) give the global position and document of each
     token in the order given; masks come from them. ``kv_exchange`` moves K/V
-    over ``cp_colossal``: a ``jax_cp.exchanges`` value or its name (see
-    ``jax_cp.exchanges.NAMES``).
+    over ``cp_colossal``: a ``jax_cp.exchanges`` value, its name (see
+    ``jax_cp.exchanges.NAMES``) or ``"auto"`` (the measured rule for the chip and layout).
     """
     dims = mesh_dims(mesh)
     query, key, value = _check_qkv(query, key, value, layout)
     B, S, H, d = query.shape
     K = key.shape[2]
     spec = AttentionSpec(num_heads=H, num_kv_heads=K, head_dim=d, is_causal=is_causal, scale=scale,
-                         local_window_size=local_window_size, kernel=kernel, kv_exchange=kv_exchange)
+                         local_window_size=local_window_size, kernel=kernel, kv_exchange=kv_exchange,
+                         overlap_chunks=1, fused_qkv_chunks=0)
+    spec, _ = spec.resolve(mesh, batch=B, seq_len=S, itemsize=query.dtype.itemsize)
     rep = spec.layout(dims).kv_expanded // K  # minimal repetition so t*u devices each hold whole kv heads
     check_seq_batch(B, S, dims)
     meta, meta_specs = placed_metadata(positions, segment_ids, B, S, mesh)

@@ -103,15 +103,16 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, spec: AttentionSpec, lay
 def layer_forward(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None, positions=None,
                   segment_ids=None, local_window_size=None, scale=None):
     """Applies the layer to a global ``x [B, S, D]``; returns ``y [B, S, D]`` sharded like x."""
-    layout = spec.layout(mesh_dims(mesh))
     if getattr(x_BSD, "ndim", None) != 3 or x_BSD.shape[-1] != spec.in_features:
         raise ValueError(f"x.shape={getattr(x_BSD, 'shape', None)} must be (batch, seq_len, "
                          f"in_features={spec.in_features}).")
     B, S, _ = x_BSD.shape
-    check_seq_batch(B, S, layout.dims)
-    spec = spec.replace(local_window_size=local_window_size, scale=scale)
-    meta, meta_specs = placed_metadata(positions, segment_ids, B, S, mesh)
     dtype = jnp.dtype(x_BSD.dtype if dtype is None else dtype)
+    spec, _ = spec.replace(local_window_size=local_window_size, scale=scale).resolve(
+        mesh, batch=B, seq_len=S, itemsize=dtype.itemsize)
+    layout = spec.layout(mesh_dims(mesh))
+    check_seq_batch(B, S, layout.dims)
+    meta, meta_specs = placed_metadata(positions, segment_ids, B, S, mesh)
     specs = _compute_specs(spec, layout)
     params = {k: place(params[k], mesh, specs[k]) for k in specs}
     args = [params, place(x_BSD, mesh, X_SPEC)] + meta

@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_cp import exchanges as _exchanges
+from jax_cp._defaults import AUTO, Choice
 from jax_cp._layer import AttentionSharding, init_param, layer_forward, param_shapes, storage_specs
 from jax_cp._mesh import place
 from jax_cp._spec import AttentionSpec
@@ -29,26 +29,34 @@ class CPAttention(nnx.Module):
     ``fused_qkv_chunks=k`` sends Q, K and V of the first ``k`` head chunks over
     ``cp_ulysses`` in one all-to-all instead of two (Q; K and V): the same bytes
     in fewer collectives, which some TPU schedules hide better (the planner
-    measures it; ``0`` none, ``overlap_chunks`` every chunk). ``self.spec`` is
-    the validated ``AttentionSpec``.
+    measures it; ``0`` none, ``overlap_chunks`` every chunk). These three
+    default to ``"auto"``: resolved when the layer is traced, from the mesh's chip
+    and layout, by the measured rule in ``jax_cp._defaults`` (``resolved`` shows
+    the choice and why); explicit values win. ``self.spec`` is the validated
+    ``AttentionSpec``.
     """
 
     def __init__(self, num_heads: int, in_features: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, mesh, is_causal: bool = False, use_qk_norm: bool = False,
                  rope_theta: float | None = None, use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
-                 kernel_init=nnx.initializers.lecun_normal(), overlap_chunks: int | None = None,
-                 kernel: str = "auto", kv_exchange=_exchanges.DEFAULT, fused_qkv_chunks: int = 0,
+                 kernel_init=nnx.initializers.lecun_normal(), overlap_chunks: int | str = AUTO,
+                 kernel: str = "auto", kv_exchange=AUTO, fused_qkv_chunks: int | str = AUTO,
                  sharding: AttentionSharding | None = None, rngs: nnx.Rngs):
         self.spec = AttentionSpec(
             num_heads=num_heads, in_features=in_features, num_kv_heads=num_kv_heads, head_dim=head_dim,
             is_causal=is_causal, use_qk_norm=use_qk_norm, rope_theta=rope_theta, use_bias=use_bias,
-            overlap_chunks=1 if overlap_chunks is None else overlap_chunks, kernel=kernel,
+            overlap_chunks=AUTO if overlap_chunks is None else overlap_chunks, kernel=kernel,
             kv_exchange=kv_exchange, fused_qkv_chunks=fused_qkv_chunks)
         self.mesh, self.dtype = mesh, dtype
         specs = storage_specs(self.spec, mesh, sharding)
         for name, shape in param_shapes(self.spec).items():
             value = place(init_param(name, shape, rngs.params(), param_dtype, kernel_init), mesh, specs[name])
             setattr(self, name, nnx.Param(value, out_sharding=tuple(specs[name]), eager_sharding=False))
+
+    def resolved(self, batch: int, seq_len: int) -> tuple[AttentionSpec, Choice | None]:
+        """The spec a call on ``[batch, seq_len, D]`` inputs runs ("auto" filled in) and the rule's reason."""
+        itemsize = jnp.dtype(self.dtype or jnp.float32).itemsize
+        return self.spec.resolve(self.mesh, batch=batch, seq_len=seq_len, itemsize=itemsize)
 
     def __call__(self, x, *, positions=None, segment_ids=None, local_window_size=None):
         params = {name: getattr(self, name)[...] for name in param_shapes(self.spec)}

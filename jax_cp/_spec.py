@@ -12,8 +12,9 @@ import dataclasses
 from jax_cp import exchanges as _exchanges
 from jax_cp import kernels as _kernels
 from jax_cp._checks import check_positive_fields, check_positive_int
+from jax_cp._defaults import AUTO, Choice, chip_of, choose
 from jax_cp._masks import Window, normalize_window
-from jax_cp._mesh import MeshDims, lcm
+from jax_cp._mesh import MeshDims, lcm, mesh_dims
 
 __all__ = ["AttentionSpec", "Layout", "check_seq_batch"]
 
@@ -26,6 +27,8 @@ class AttentionSpec:
     ``in_features // num_heads``. ``in_features`` is the model width (``None``
     for :func:`jax_cp.dot_product_attention`, which has no projections).
     ``kv_exchange`` is a ``jax_cp.exchanges`` value or its name (stored as the value).
+    ``overlap_chunks``, ``fused_qkv_chunks`` and ``kv_exchange`` may be ``"auto"``
+    (the default): :meth:`resolve` fills them in for a mesh (``jax_cp._defaults.choose``).
     """
 
     num_heads: int
@@ -38,10 +41,10 @@ class AttentionSpec:
     use_qk_norm: bool = False
     rope_theta: float | None = None
     use_bias: bool = False
-    overlap_chunks: int = 1
-    fused_qkv_chunks: int = 0
+    overlap_chunks: int | str = AUTO
+    fused_qkv_chunks: int | str = AUTO
     kernel: str = "auto"
-    kv_exchange: _exchanges.KVExchange | str = _exchanges.DEFAULT
+    kv_exchange: _exchanges.KVExchange | str = AUTO
 
     def __post_init__(self):
         set_ = partial_setattr(self)
@@ -55,7 +58,8 @@ class AttentionSpec:
                                  "pass head_dim explicitly.")
             set_("head_dim", self.in_features // self.num_heads)
         set_("num_kv_heads", self.num_heads if self.num_kv_heads is None else self.num_kv_heads)
-        check_positive_fields(self, ("num_kv_heads", "head_dim", "overlap_chunks")
+        check_positive_fields(self, ("num_kv_heads", "head_dim")
+                              + (("overlap_chunks",) if self.overlap_chunks != AUTO else ())
                               + (("in_features",) if self.in_features is not None else ()))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -67,17 +71,23 @@ class AttentionSpec:
                              f"(got {self.head_dim}).")
         set_("local_window_size", normalize_window(self.local_window_size))
         _kernels.check_kernel(self.kernel)
-        set_("kv_exchange", _exchanges.resolve(self.kv_exchange))
-        self.kv_exchange.check_kernel(self.kernel)
-        self._check_fused()
+        if self.kv_exchange != AUTO:
+            set_("kv_exchange", _exchanges.resolve(self.kv_exchange))
+            self.kv_exchange.check_kernel(self.kernel)
+        if self.fused_qkv_chunks != AUTO:
+            self._check_fused()
+
+    @property
+    def is_resolved(self) -> bool:
+        return AUTO not in (self.overlap_chunks, self.fused_qkv_chunks, self.kv_exchange)
 
     def _check_fused(self):
-        f, ex = self.fused_qkv_chunks, self.kv_exchange
-        if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f <= self.overlap_chunks:
+        f, ex, n = self.fused_qkv_chunks, self.kv_exchange, self.overlap_chunks
+        if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f <= (f if n == AUTO else n):
             raise ValueError(f"fused_qkv_chunks={f!r} must be an integer from 0 to "
                              f"overlap_chunks={self.overlap_chunks} (how many leading head chunks send "
                              "Q, K and V in one all-to-all).")
-        if f and not ex.fuses_qkv:
+        if f and ex != AUTO and not ex.fuses_qkv:
             others = " or ".join(repr(x.name) for x in _exchanges.EXCHANGES if x.fuses_qkv)
             raise ValueError(f"fused_qkv_chunks={f} cannot be combined with kv_exchange={ex.name!r}: "
                              f"{ex.no_fuse_reason}. Use kv_exchange={others}, or fused_qkv_chunks=0.")
@@ -86,9 +96,36 @@ class AttentionSpec:
         """A copy with ``changes``, validated again."""
         return dataclasses.replace(self, **changes)
 
+    def resolve(self, mesh, *, batch: int | None = None, seq_len: int | None = None,
+                itemsize: int = 2) -> tuple["AttentionSpec", Choice | None]:
+        """This spec with every ``"auto"`` filled in for ``mesh`` (explicit values kept), and the
+        ``Choice`` behind it (``None`` when nothing was auto). ``batch``/``seq_len`` enable the
+        memory rule (the ring when all-gathered K/V would not fit)."""
+        if self.is_resolved:
+            return self, None
+        dims = mesh_dims(mesh)
+        platform, chip = chip_of(mesh.devices.flat[0])
+        kv_bytes = hbm = None
+        if batch and seq_len:
+            kv_local = lcm(self.num_kv_heads, dims.t * dims.u) // (dims.t * dims.u)
+            kv_bytes = 2 * (batch // dims.dp) * seq_len * kv_local * self.head_dim * itemsize
+            hbm = _hbm_bytes(chip)
+        c = choose(platform=platform, chip=chip, c=dims.c, u=dims.u, t=dims.t, num_heads=self.num_heads,
+                   kv_bytes_per_device=kv_bytes, hbm_bytes=hbm)
+        ex = self.kv_exchange
+        if ex == AUTO:  # the rule's exchange, unless an explicit kernel or fusing rules it out
+            ex = c.kv_exchange
+            if self.fused_qkv_chunks not in (AUTO, 0) and not ex.fuses_qkv or not _runs(ex, self.kernel):
+                ex = _exchanges.DEFAULT
+        n = c.overlap_chunks if self.overlap_chunks == AUTO else self.overlap_chunks
+        f = self.fused_qkv_chunks
+        if f == AUTO:
+            f = min(c.fused_qkv_chunks, n) if ex.fuses_qkv else 0
+        return self.replace(kv_exchange=ex, overlap_chunks=n, fused_qkv_chunks=f), c
+
     def layout(self, dims: MeshDims) -> "Layout":
         """How the heads land on a mesh of ``dims``; a ValueError when they do not divide."""
-        tu, n = dims.t * dims.u, self.overlap_chunks
+        tu, n = dims.t * dims.u, 1 if self.overlap_chunks == AUTO else self.overlap_chunks
         if self.num_heads % tu:
             raise ValueError(
                 f"num_heads={self.num_heads} is not divisible by tp*cp_ulysses={dims.t}*{dims.u}={tu}; "
@@ -104,6 +141,20 @@ class AttentionSpec:
     def ties_chunks(self, dims: MeshDims) -> bool:
         """The chunk-to-chunk gradient tie: hybrid layouts (c > 1 and u > 1), where the exchange allows it."""
         return dims.c > 1 and dims.u > 1 and self.kv_exchange.ties_chunks
+
+
+def _hbm_bytes(chip: str | None) -> int | None:
+    from jax_cp.plan._chips import CHIPS  # the published per-chip figures
+
+    return CHIPS[chip].device_hbm_bytes if chip in CHIPS else None
+
+
+def _runs(exchange, kernel: str) -> bool:
+    try:
+        exchange.check_kernel(kernel)
+    except ValueError:
+        return False
+    return True
 
 
 def partial_setattr(obj):

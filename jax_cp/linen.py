@@ -6,7 +6,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jax_cp import exchanges as _exchanges
+from jax_cp._defaults import AUTO
 from jax_cp._layer import AttentionSharding, init_param, layer_forward, param_shapes, storage_specs
 from jax_cp._spec import AttentionSpec
 
@@ -32,10 +32,10 @@ class CPAttention(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Callable = nn.initializers.lecun_normal()
-    overlap_chunks: int | None = None
+    overlap_chunks: int | str | None = AUTO
     kernel: str = "auto"
-    kv_exchange: Any = _exchanges.DEFAULT
-    fused_qkv_chunks: int = 0
+    kv_exchange: Any = AUTO
+    fused_qkv_chunks: int | str = AUTO
     sharding: AttentionSharding | None = None
 
     @property
@@ -44,7 +44,7 @@ class CPAttention(nn.Module):
             num_heads=self.num_heads, in_features=self.in_features, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, is_causal=self.is_causal, use_qk_norm=self.use_qk_norm,
             rope_theta=self.rope_theta, use_bias=self.use_bias, kernel=self.kernel, kv_exchange=self.kv_exchange,
-            overlap_chunks=1 if self.overlap_chunks is None else self.overlap_chunks,
+            overlap_chunks=AUTO if self.overlap_chunks is None else self.overlap_chunks,
             fused_qkv_chunks=self.fused_qkv_chunks)
 
     @nn.compact

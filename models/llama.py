@@ -194,8 +194,8 @@ class Llama(nnx.Module):
     """
 
     def __init__(self, cfg: LlamaConfig, *, mesh, dtype=jnp.bfloat16, fsdp: bool = False, remat: bool = False,
-                 kernel: str = "auto", kv_exchange=jax_cp.exchanges.DEFAULT, overlap_chunks: int = 1,
-                 fused_qkv_chunks: int = 0, rngs: nnx.Rngs):
+                 kernel: str = "auto", kv_exchange="auto", overlap_chunks: int | str = "auto",
+                 fused_qkv_chunks: int | str = "auto", rngs: nnx.Rngs):
         self.cfg, self.mesh, self.dtype, self.remat = cfg, mesh, jnp.dtype(dtype), remat
         self.sharding = sharding = Sharding(fsdp=fsdp)
         V, D = cfg.vocab_size, cfg.d_model

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 import jax_cp
 from jax_cp import load_balance
+from jax_cp._defaults import int_or_auto
 from models import data as data_lib
 from models.llama import Llama, Sharding, abstract_model, get_config, next_token_loss
 
@@ -69,10 +70,10 @@ class TrainConfig:
     weight_decay: float = 0.1
     clip: float = 1.0
     dtype: str = "bfloat16"
-    kv_exchange: str = jax_cp.exchanges.DEFAULT.name
+    kv_exchange: str = "auto"
     kernel: str = "auto"
-    overlap_chunks: int = 1
-    fused_qkv_chunks: int = 0
+    overlap_chunks: int | str = "auto"
+    fused_qkv_chunks: int | str = "auto"
     load_balance: bool = True
     remat: bool = False
     data: str | None = None
@@ -90,12 +91,13 @@ class TrainConfig:
     heartbeat_timeout: int = 30
     debug_step_sleep: float = 0.0  # test hook: widens the window in which a run can be killed
     plan: str | None = None  # a TPU topology: compile one step for it and report instead of training
+    xla_flags: bool = True  # apply jax_cp.plan's recommended XLA flags on TPU / GPU hosts
 
     def __post_init__(self):
         from models.llama import CONFIGS
 
-        positive = ["cp_colossal", "cp_ulysses", "tp", "seq_len", "batch", "steps", "heartbeat_timeout",
-                    "overlap_chunks"]
+        positive = ["cp_colossal", "cp_ulysses", "tp", "seq_len", "batch", "steps", "heartbeat_timeout"]
+        positive += ["overlap_chunks"] if self.overlap_chunks != "auto" else []
         positive += [n for n in ("devices", "dp", "num_processes") if getattr(self, n) is not None]
         for name in positive:
             value = getattr(self, name)
@@ -158,10 +160,12 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default=d.dtype, help="compute dtype")
     g.add_argument("--kv-exchange", default=d.kv_exchange, help="colossal K/V exchange (see jax_cp)")
     g.add_argument("--kernel", default=d.kernel, help="local attention kernel (see jax_cp.kernels)")
-    g.add_argument("--overlap-chunks", type=int, default=d.overlap_chunks,
+    g.add_argument("--overlap-chunks", type=int_or_auto, default=d.overlap_chunks,
                    help="head chunks per attention layer, to overlap exchanges with compute (see jax_cp)")
-    g.add_argument("--fused-qkv-chunks", type=int, default=d.fused_qkv_chunks,
+    g.add_argument("--fused-qkv-chunks", type=int_or_auto, default=d.fused_qkv_chunks,
                    help="leading chunks whose Q, K and V share one Ulysses all-to-all (see jax_cp.plan)")
+    g.add_argument("--no-xla-flags", dest="xla_flags", action="store_false",
+                   help="do not add jax_cp.plan's recommended XLA flags on TPU / GPU hosts")
     g.add_argument("--no-load-balance", dest="load_balance", action="store_false",
                    help="keep the natural sequence order (causal load balancing is on by default)")
     g.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
@@ -206,7 +210,13 @@ def _pod_environment() -> bool:
 
 
 def init_jax(cfg: TrainConfig) -> None:
-    """Simulated CPU devices and the multi-process runtime, before JAX's backend starts."""
+    """Recommended XLA flags, simulated CPU devices and the multi-process runtime, before JAX's backend starts."""
+    if cfg.xla_flags:
+        from jax_cp import plan
+
+        applied = plan.apply_for_this_host()  # what the planner assumed; user-set flags keep their value
+        if applied:
+            print(f"{applied[0]}={applied[1]}  (jax_cp.plan.recommended_xla_flags; --no-xla-flags to skip)")
     if cfg.devices is not None:
         jax.config.update("jax_num_cpu_devices", cfg.devices)
     if cfg.coordinator is not None:

@@ -21,6 +21,7 @@ pytest.importorskip("libtpu", reason="the planner compiles with the libtpu wheel
 
 TOPO = "v5e:2x4"
 SMALL = dict(topology=TOPO, model="tiny", seq_len=512, batch=1)
+PLAIN = dict(kv_exchange="all_gather", overlap_chunks=1, fused_qkv_chunks=0)  # not "auto": the layouts as stated
 
 # Mesh (dp=1, cp_colossal=2, cp_ulysses=2, tp=2): device i sits at unravel_index(i, (1, 2, 2, 2)).
 HLO = """HloModule jit_step, is_scheduled=true
@@ -330,7 +331,7 @@ _REPORTS = {}
 def report(name):
     if name not in _REPORTS:
         c, u, t = LAYOUTS[name]
-        _REPORTS[name] = plan.analyze(cp_colossal=c, cp_ulysses=u, tp=t, **SMALL)
+        _REPORTS[name] = plan.analyze(cp_colossal=c, cp_ulysses=u, tp=t, **SMALL, **PLAIN)
     return _REPORTS[name]
 
 
@@ -455,7 +456,8 @@ def test_fused_qkv_exchange_sends_one_all_to_all_per_chunk():
     """fused_qkv_chunks=1 on pure Ulysses: Q, K and V cross cp_ulysses in one all-to-all
     (forward: that one and the output's), the same bytes as the two of the default (Q; K and V)."""
     c, u, t = LAYOUTS["ulysses"]
-    fused = plan.analyze(cp_colossal=c, cp_ulysses=u, tp=t, fused_qkv_chunks=1, baseline=False, **SMALL)
+    fused = plan.analyze(cp_colossal=c, cp_ulysses=u, tp=t, fused_qkv_chunks=1, overlap_chunks=1,
+                         kv_exchange="all_gather", baseline=False, **SMALL)
     assert "fused_qkv_chunks=1" in str(fused)
     fwd = {name: a.schedule.select("fwd") for name, a in (("split", report("ulysses").analysis),
                                                           ("fused", fused.analysis))}

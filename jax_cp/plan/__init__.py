@@ -15,7 +15,9 @@ A whole training step: ``python -m models.train --plan TOPOLOGY ...``
 from jax_cp.plan._analyze import STRATEGIES, analyze, analyze_program, get_topology, kv_exchanges, topology_mesh
 from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
 from jax_cp.plan._chips import CHIPS, Chip, chip_for
-from jax_cp.plan._flags import FLAG_ENV, apply_recommended_flags, compiler_options, recommended_xla_flags
+from jax_cp.plan._flags import (
+    FLAG_ENV, apply_for_this_host, apply_recommended_flags, compiler_options, recommended_xla_flags,
+)
 from jax_cp.plan._hlo import Collective, Schedule, analyze_schedule
 from jax_cp.plan._models import MODELS, ModelSpec
 from jax_cp.plan._report import Analysis, Estimate, Memory, Report, format_programs
@@ -23,6 +25,6 @@ from jax_cp.plan._report import Analysis, Estimate, Memory, Report, format_progr
 __all__ = [
     "Analysis", "CHIPS", "Chip", "Collective", "Estimate", "FLAG_ENV", "LayerShape", "MODELS",
     "Memory", "ModelSpec", "Report", "STRATEGIES", "Schedule", "analyze", "analyze_program", "analyze_schedule",
-    "apply_recommended_flags", "chip_for", "compiler_options", "cp_layer", "format_programs", "get_topology",
+    "apply_for_this_host", "apply_recommended_flags", "chip_for", "compiler_options", "cp_layer", "format_programs", "get_topology",
     "kv_exchanges", "naive_layer", "recommended_xla_flags", "topology_mesh",
 ]

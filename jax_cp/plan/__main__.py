@@ -15,6 +15,7 @@ import sys
 
 def parser() -> argparse.ArgumentParser:
     from jax_cp import exchanges
+    from jax_cp._defaults import int_or_auto
     from jax_cp.plan._models import MODELS
 
     p = argparse.ArgumentParser(prog="python -m jax_cp.plan", description=__doc__.splitlines()[0],
@@ -27,9 +28,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cp-colossal", type=int, default=1)
     p.add_argument("--cp-ulysses", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--kv-exchange", default=exchanges.DEFAULT.name, help=" | ".join(exchanges.NAMES))
-    p.add_argument("--overlap-chunks", type=int, default=1)
-    p.add_argument("--fused-qkv-chunks", type=int, default=0,
+    p.add_argument("--kv-exchange", default="auto", help="auto | " + " | ".join(exchanges.NAMES))
+    p.add_argument("--overlap-chunks", type=int_or_auto, default="auto")
+    p.add_argument("--fused-qkv-chunks", type=int_or_auto, default="auto",
                    help="leading head chunks whose Q, K and V share one cp_ulysses all-to-all "
                         "(CPAttention(fused_qkv_chunks=...))")
     p.add_argument("--kernel", default="blockwise",

@@ -182,17 +182,19 @@ def analyze_layout(topology: str, shape: LayerShape, c: int, u: int, t: int, *, 
     budget = int(memory_budget or chip.device_hbm_bytes)
     flags = _flags_for(chip, xla_flags)
     mesh = topology_mesh(topology, cp_colossal=c, cp_ulysses=u, tp=t)
+    shape, why = shape.resolved(mesh)  # the knobs CPAttention's "auto" picks on this chip and layout
     label = f"CPAttention ({c},{u},{t})"
     analysis = _compile(cp_layer, label, shape, mesh, chip, budget, flags)
     base = _compile(naive_layer, "naive fused QKV", shape, mesh, chip, budget, flags) if baseline else None
     return Report(topology=topology, chip=chip, mesh_shape=dict(mesh.shape), layer=shape, flags=" ".join(flags),
-                  analysis=analysis, baseline=base)
+                  analysis=analysis, baseline=base, defaults=why.why if why else "")
 
 
 def analyze(
     *, topology: str, model: str | ModelSpec = "llama3-8b", seq_len: int, batch: int = 1,
     strategy: str = "manual", cp_colossal: int = 1, cp_ulysses: int = 1, tp: int = 1,
-    kv_exchange: str | exchanges.KVExchange = exchanges.DEFAULT, overlap_chunks: int = 1, fused_qkv_chunks: int = 0,
+    kv_exchange: str | exchanges.KVExchange = "auto", overlap_chunks: int | str = "auto",
+    fused_qkv_chunks: int | str = "auto",
     kernel: str = "blockwise", is_causal: bool = True,
     dtype: str = "bfloat16", param_dtype: str = "float32", memory_budget: int | None = None,
     baseline: bool = True, candidates: int = 2, xla_flags: tuple[str, ...] | None = None,

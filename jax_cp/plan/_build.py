@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_cp._checks import check_positive_fields
 from jax_cp._mesh import CP, DP, TP, ULYSSES, mesh_dims
 from jax_cp._spec import AttentionSpec
-from jax_cp.exchanges import DEFAULT
+from jax_cp._defaults import AUTO, Choice
 
 __all__ = ["LayerShape", "cp_layer", "naive_layer"]
 
@@ -41,18 +41,25 @@ class LayerShape:
     is_causal: bool = True
     rope_theta: float | None = 500_000.0
     kernel: str = "auto"
-    kv_exchange: str = DEFAULT.name  # a jax_cp.exchanges name (a value is stored as its name)
-    overlap_chunks: int = 1
-    fused_qkv_chunks: int = 0
+    kv_exchange: str = AUTO  # a jax_cp.exchanges name (a value is stored as its name) or "auto"
+    overlap_chunks: int | str = AUTO
+    fused_qkv_chunks: int | str = AUTO
 
     def __post_init__(self):
         check_positive_fields(self, ("batch", "seq_len", "d_model"))
-        object.__setattr__(self, "kv_exchange", self.attention.kv_exchange.name)  # validates the layer once
+        object.__setattr__(self, "kv_exchange", str(self.attention.kv_exchange))  # validates the layer once
         for name in ("dtype", "param_dtype"):
             try:
                 jnp.dtype(getattr(self, name))
             except TypeError:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not a dtype name (e.g. 'bfloat16').") from None
+
+    def resolved(self, mesh) -> tuple["LayerShape", Choice | None]:
+        """The shape with every ``"auto"`` knob as ``CPAttention`` resolves it on ``mesh``, and why."""
+        spec, why = self.attention.resolve(mesh, batch=self.batch, seq_len=self.seq_len,
+                                           itemsize=jnp.dtype(self.dtype).itemsize)
+        return dataclasses.replace(self, kv_exchange=spec.kv_exchange.name, overlap_chunks=spec.overlap_chunks,
+                                   fused_qkv_chunks=spec.fused_qkv_chunks), why
 
     @property
     def attention(self) -> AttentionSpec:
@@ -114,6 +121,7 @@ def naive_layer(shape: LayerShape, mesh):
     from jax_cp._ulysses import heads_to_seq, seq_to_heads
     from jax_cp.exchanges import Meta
 
+    shape, _ = shape.resolved(mesh)  # the exchange CPAttention would use
     dims = mesh_dims(mesh)
     spec = shape.attention
     layout = spec.replace(overlap_chunks=1, fused_qkv_chunks=0).layout(dims)

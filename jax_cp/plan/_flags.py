@@ -8,10 +8,12 @@ which the planner uses so one process can compile for several chips.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import MutableMapping
 
-__all__ = ["PLATFORMS", "FLAG_ENV", "recommended_xla_flags", "apply_recommended_flags", "compiler_options"]
+__all__ = ["PLATFORMS", "FLAG_ENV", "recommended_xla_flags", "apply_recommended_flags", "apply_for_this_host",
+           "compiler_options"]
 
 PLATFORMS = ("tpu", "gpu")
 FLAG_ENV = {"tpu": "LIBTPU_INIT_ARGS", "gpu": "XLA_FLAGS"}
@@ -124,3 +126,31 @@ def apply_recommended_flags(
     name = FLAG_ENV[_check_platform(platform)]
     env[name] = merge_flags(env.get(name, ""), recommended_xla_flags(platform, chip=chip))
     return env[name]
+
+
+# TPU_ACCELERATOR_TYPE on Cloud TPU VMs (e.g. "v5litepod-16", "v5p-128", "v6e-8") -> chip name.
+_ACCELERATOR_CHIPS = (("v5lite", "v5e"), ("v5e", "v5e"), ("v5p", "v5p"), ("v6e", "v6e"), ("v4", "v4"))
+
+
+def _installed(*modules: str) -> bool:
+    return any(importlib.util.find_spec(m) is not None for m in modules)
+
+
+def apply_for_this_host(environ: MutableMapping[str, str] | None = None) -> tuple[str, str] | None:
+    """Before JAX starts: the recommended flags for the accelerator this host will use, if any.
+
+    TPU when the ``libtpu`` wheel is installed (the chip from ``TPU_ACCELERATOR_TYPE``;
+    unknown: the flags safe on every generation), GPU when a JAX CUDA plugin is; nothing
+    when ``JAX_PLATFORMS`` names neither (e.g. ``cpu``). Returns ``(variable, value)`` or None.
+    """
+    env: MutableMapping[str, str] = os.environ if environ is None else environ
+    wanted = env.get("JAX_PLATFORMS", "").lower()
+    if wanted and not any(p in wanted for p in ("tpu", "cuda", "gpu", "rocm")):
+        return None
+    if (not wanted or "tpu" in wanted) and _installed("libtpu"):
+        kind = env.get("TPU_ACCELERATOR_TYPE", "").lower()
+        chip = next((name for key, name in _ACCELERATOR_CHIPS if kind.startswith(key)), None)
+        return FLAG_ENV["tpu"], apply_recommended_flags("tpu", chip=chip, environ=env)
+    if _installed("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin"):
+        return FLAG_ENV["gpu"], apply_recommended_flags("gpu", environ=env)
+    return None

@@ -108,6 +108,7 @@ class Report:
     analysis: Analysis
     baseline: Analysis | None = None
     reasons: tuple[str, ...] = ()
+    defaults: str = ""  # why the "auto" knobs resolved as they did (empty: none was auto)
 
     def __str__(self) -> str:
         return format_report(self)
@@ -139,8 +140,10 @@ def format_report(r: Report) -> str:
         f"dtype={L.dtype} params={L.param_dtype} causal={L.is_causal} kernel={L.kernel} "
         f"kv_exchange={L.kv_exchange} overlap_chunks={L.overlap_chunks} fused_qkv_chunks={L.fused_qkv_chunks}",
         f"flags: {r.flags or '(none)'}",
-        "",
     ]
+    if r.defaults:
+        lines.append(f"auto (kv_exchange, overlap_chunks, fused_qkv_chunks): {r.defaults}")
+    lines.append("")
     if r.reasons:
         lines += ["strategy=auto:", *(f"  {x}" for x in r.reasons), ""]
     lines += format_programs([a] + ([base] if base is not None else [])).splitlines()

@@ -1,0 +1,95 @@
+"""``"auto"``: the measured best grouping of a layer for the chip and layout it runs on.
+
+``overlap_chunks``, ``fused_qkv_chunks`` and ``kv_exchange`` default to ``"auto"``
+and are resolved when the layer is traced, from the mesh's devices (platform,
+TPU generation) and the layout (``c, u, t``, heads, kv heads, tokens per device):
+``choose`` below is the one rule, a table of what the TPU compiler's schedule
+hid best (benchmarks/RESULTS.md "Overlap (planner)", Llama-3-8B layer, the flags
+``plan.recommended_xla_flags`` gives), plus memory: the ring when all-gathered
+K/V would take more than a quarter of a device's HBM. Explicit values win.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jax_cp.exchanges import AllGather, AllToAll, KVExchange, Ring
+
+__all__ = ["AUTO", "Choice", "choose", "chip_of", "int_or_auto", "RULES"]
+
+AUTO = "auto"
+KV_MEMORY_SHARE = 0.25  # gathered K/V (and their float32 gradients) beyond this share of HBM: the ring
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """A resolved grouping and the measurement (or reason) behind it."""
+
+    kv_exchange: KVExchange
+    overlap_chunks: int
+    fused_qkv_chunks: int
+    why: str
+
+
+# chip -> layout kind -> (kv_exchange, overlap_chunks, fused_qkv_chunks, measured fwd / bwd overlap)
+RULES = {
+    "v5e": {
+        "ulysses": (AllGather(), 4, 1, "v5e (1,4,2) 1.00 / 1.00"),
+        "colossal": (AllGather(), 2, 0, "v5e (4,1,4) 1.00 / 1.00"),
+        "hybrid": (AllToAll(), 2, 0, "v5e (2,2,4), (2,2,2), (2,4,2), (4,2,2), (4,4,1), (2,8,1) 1.00 / 1.00"),
+    },
+    "v5p": {
+        "ulysses": (AllGather(), 2, 2, "v5p (1,4,4) 1.00 / 1.00"),
+        "colossal": (AllGather(), 2, 0, "v5p (4,1,4) 1.00 / 1.00, all-gather on the SparseCores"),
+        "hybrid": (Ring(), 2, 2, "v5p (4,4,4) 1.00 / 0.95"),
+    },
+}
+# Not measured: other TPU generations take the v5e rule (the same lite-chip scheduler flags).
+TPU_FALLBACK = "v5e"
+
+
+def chip_of(device) -> tuple[str, str | None]:
+    """``(platform, chip)`` of a device: ``("tpu", "v5e")``, ``("gpu", None)``, ``("cpu", None)``."""
+    from jax_cp.plan._chips import CHIPS  # device kinds of the TPU generations
+
+    platform = getattr(device, "platform", "cpu")
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    if platform != "tpu":
+        return platform, None
+    kind = getattr(device, "device_kind", "")
+    return platform, next((name for name, chip in CHIPS.items() if chip.device_kind == kind), None)
+
+
+def int_or_auto(text: str):
+    """``"auto"`` or an integer: the command-line type of the chunk options."""
+    return text if text == AUTO else int(text)
+
+
+def _divisor_at_most(n: int, limit: int) -> int:
+    return max([k for k in range(1, min(n, limit) + 1) if n % k == 0] or [1])  # n < 1: the layout check says why
+
+
+def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads: int,
+           kv_bytes_per_device: float | None = None, hbm_bytes: float | None = None) -> Choice:
+    """The grouping for a layout (pure: no devices needed; tests call it per platform and layout).
+
+    ``kv_bytes_per_device``: all-gathered K/V of one layer on one device; with
+    ``hbm_bytes`` it decides whether the O(S/c) ring is needed.
+    """
+    if c == 1 and u == 1:
+        return Choice(AllGather(), 1, 0, "no context parallelism: nothing to hide")
+    if platform != "tpu":
+        # CPU collectives are copies and chunks only add ops; GPU schedules are not measured yet.
+        return Choice(AllGather(), 1, 0, f"{platform}: the plain layer (no measured gain from chunking)")
+    kind = "ulysses" if c == 1 else "colossal" if u == 1 else "hybrid"
+    table = RULES.get(chip) or RULES[TPU_FALLBACK]
+    exchange, n, fused, measured = table[kind]
+    why = f"measured {measured}" + ("" if chip in RULES else f" (chip {chip or 'unknown'}: the {TPU_FALLBACK} rule)")
+    if c > 1 and exchange != Ring() and kv_bytes_per_device and hbm_bytes \
+            and kv_bytes_per_device > KV_MEMORY_SHARE * hbm_bytes:
+        exchange, fused = Ring(), fused if u > 1 else 0
+        why = (f"all-gathered K/V {kv_bytes_per_device / 2**30:.1f} GiB > {KV_MEMORY_SHARE:.0%} of "
+               f"{hbm_bytes / 2**30:.0f} GiB HBM: the ring; chunks as {why}")
+    per_device = num_heads // (t * u)
+    n = _divisor_at_most(per_device, n)
+    fused = min(fused, n) if exchange.fuses_qkv else 0
+    return Choice(exchange, n, fused, why)

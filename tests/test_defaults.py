@@ -1,0 +1,150 @@
+"""``"auto"`` knobs: the rule (a pure function of platform and layout), its resolution, explicit overrides."""
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import jax_cp
+from jax_cp import exchanges
+from jax_cp._defaults import KV_MEMORY_SHARE, RULES, chip_of, choose
+
+AG, A2A, RING = exchanges.AllGather(), exchanges.AllToAll(), exchanges.Ring()
+GiB = 2**30
+
+
+@pytest.mark.parametrize("chip, layout, want", [
+    ("v5e", (1, 4, 2), (AG, 4, 1)),    # Ulysses: 4 chunks, the first fused
+    ("v5e", (4, 1, 4), (AG, 2, 0)),    # all-gather
+    ("v5e", (2, 2, 4), (A2A, 2, 0)),   # hybrid: K/V in one all-to-all over both CP axes
+    ("v5p", (1, 4, 4), (AG, 2, 2)),    # Ulysses: 2 chunks, both fused
+    ("v5p", (4, 1, 4), (AG, 2, 0)),
+    ("v5p", (4, 4, 4), (RING, 2, 2)),  # hybrid: the ring, fused
+    ("v6e", (2, 2, 4), (A2A, 2, 0)),   # unmeasured generation: the v5e rule, said so
+])
+def test_tpu_rule_per_chip_and_layout(chip, layout, want):
+    c, u, t = layout
+    got = choose(platform="tpu", chip=chip, c=c, u=u, t=t, num_heads=32)
+    assert (got.kv_exchange, got.overlap_chunks, got.fused_qkv_chunks) == want
+    assert "measured" in got.why and (chip in RULES or "the v5e rule" in got.why)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_cpu_and_gpu_keep_the_plain_layer(platform):
+    got = choose(platform=platform, chip=None, c=2, u=2, t=2, num_heads=32)
+    assert (got.kv_exchange, got.overlap_chunks, got.fused_qkv_chunks) == (AG, 1, 0)
+    assert platform in got.why
+
+
+def test_chunks_fit_the_heads_and_memory_picks_the_ring():
+    # 2 query heads per device: 4 chunks cannot be, 2 can; fused never exceeds the chunks.
+    got = choose(platform="tpu", chip="v5e", c=1, u=4, t=4, num_heads=32)
+    assert (got.overlap_chunks, got.fused_qkv_chunks) == (2, 1)
+    # 1 head per device: one chunk.
+    assert choose(platform="tpu", chip="v5p", c=1, u=4, t=2, num_heads=8).overlap_chunks == 1
+    # All-gathered K/V beyond a quarter of HBM: the ring (O(S/c) memory), whatever the table says.
+    hbm = 16 * GiB
+    big = choose(platform="tpu", chip="v5e", c=4, u=1, t=4, num_heads=32, kv_bytes_per_device=0.3 * hbm,
+                 hbm_bytes=hbm)
+    small = choose(platform="tpu", chip="v5e", c=4, u=1, t=4, num_heads=32, kv_bytes_per_device=0.2 * hbm,
+                   hbm_bytes=hbm)
+    assert big.kv_exchange == RING and "the ring" in big.why and small.kv_exchange == AG
+    assert KV_MEMORY_SHARE == 0.25
+
+
+def test_chip_of_reads_the_device_kind():
+    class Dev:
+        def __init__(self, platform, kind=""):
+            self.platform, self.device_kind = platform, kind
+
+    assert chip_of(Dev("tpu", "TPU v5 lite")) == ("tpu", "v5e")
+    assert chip_of(Dev("tpu", "TPU v5")) == ("tpu", "v5p")
+    assert chip_of(Dev("tpu", "TPU v99")) == ("tpu", None)
+    assert chip_of(Dev("cuda")) == ("gpu", None)
+    assert chip_of(jax.devices()[0]) == ("cpu", None)
+
+
+def test_resolution_keeps_explicit_values_on_a_tpu_mesh():
+    pytest.importorskip("libtpu", reason="TPU topology devices come from the libtpu wheel")
+    from jax_cp import plan
+
+    mesh = plan.topology_mesh("v5e:2x4", cp_colossal=2, cp_ulysses=2, tp=2)
+    base = dict(num_heads=32, num_kv_heads=8, head_dim=16, in_features=64)
+    spec, why = jax_cp.AttentionSpec(**base).resolve(mesh)
+    assert (spec.kv_exchange, spec.overlap_chunks, spec.fused_qkv_chunks) == (A2A, 2, 0) and spec.is_resolved
+    assert "measured" in why.why
+    spec, _ = jax_cp.AttentionSpec(**base, overlap_chunks=1).resolve(mesh)  # explicit chunks win
+    assert (spec.kv_exchange, spec.overlap_chunks) == (A2A, 1)
+    spec, _ = jax_cp.AttentionSpec(**base, fused_qkv_chunks=1).resolve(mesh)  # fusing rules out all_to_all
+    assert (spec.kv_exchange, spec.overlap_chunks, spec.fused_qkv_chunks) == (AG, 2, 1)
+    spec, _ = jax_cp.AttentionSpec(**base, kv_exchange="ring").resolve(mesh)  # explicit exchange wins
+    assert spec.kv_exchange == RING
+    explicit = jax_cp.AttentionSpec(**base, kv_exchange="all_gather", overlap_chunks=1, fused_qkv_chunks=0)
+    assert explicit.resolve(mesh) == (explicit, None)
+
+
+def test_module_defaults_are_auto_and_resolve_on_the_cpu():
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    attn = jax_cp.CPAttention(8, 32, mesh=mesh, rngs=nnx.Rngs(0))
+    assert (attn.spec.kv_exchange, attn.spec.overlap_chunks, attn.spec.fused_qkv_chunks) == ("auto",) * 3
+    spec, why = attn.resolved(batch=2, seq_len=64)
+    assert (spec.kv_exchange, spec.overlap_chunks, spec.fused_qkv_chunks) == (AG, 1, 0) and "cpu" in why.why
+    pinned = jax_cp.CPAttention(8, 32, mesh=mesh, overlap_chunks=2, kv_exchange="ring", rngs=nnx.Rngs(0))
+    spec, _ = pinned.resolved(batch=2, seq_len=64)
+    assert (spec.kv_exchange, spec.overlap_chunks, spec.fused_qkv_chunks) == (RING, 2, 0)
+    x = jax.random.normal(jax.random.key(0), (2, 64, 32))
+    nnx.update(pinned, nnx.state(attn))  # same parameters: the resolved defaults and the pinned ring agree
+    assert jnp.allclose(attn(x), pinned(x), atol=2e-5)
+
+
+def _overlaps(layout, **knobs):
+    from jax_cp import plan
+
+    c, u, t = layout
+    spec = plan.ModelSpec(d_model=2048, num_heads=32, num_kv_heads=8, head_dim=64)
+    r = plan.analyze(topology="v5e:2x4", model=spec, seq_len=4096, batch=1, cp_colossal=c, cp_ulysses=u, tp=t,
+                     baseline=False, **knobs)
+    cp = r.analysis.schedule.select()
+    return r, cp, (r.analysis.overlap("fwd"), r.analysis.overlap("bwd"))
+
+
+PLAIN = dict(kv_exchange="all_gather", overlap_chunks=1, fused_qkv_chunks=0)  # the defaults before "auto"
+
+
+def test_defaults_hide_the_hybrid_layer_in_the_tpu_schedule():
+    """v5e:2x4 (2,2,2), 32 heads / 8 kv heads, S=4096: with nothing set, every CP collective of
+    forward and backward has compute inside it; the plain layer leaves most forward bytes exposed."""
+    pytest.importorskip("libtpu", reason="the TPU schedule comes from the libtpu wheel's compiler")
+    r, cp, overlap = _overlaps((2, 2, 2))
+    assert (r.layer.kv_exchange, r.layer.overlap_chunks, r.layer.fused_qkv_chunks) == ("all_to_all", 2, 0)
+    assert "measured" in r.defaults and "auto (kv_exchange, overlap_chunks, fused_qkv_chunks)" in str(r)
+    assert cp and all(c.overlapped for c in cp), [(c.kind, c.phase) for c in cp if not c.overlapped]
+    _, plain_cp, plain = _overlaps((2, 2, 2), **PLAIN)
+    assert overlap == (1.0, 1.0) and plain[0] < 0.5 and not all(c.overlapped for c in plain_cp)
+
+
+def test_defaults_chunk_the_ulysses_layer_in_the_tpu_schedule():
+    """v5e:2x4 (1,4,2): the defaults (4 chunks, the first fused) hide the whole forward and most of the
+    backward (measured 1.00 / 0.88 at this size; 1.00 / 1.00 at Llama-3-8B size, benchmarks/RESULTS.md),
+    against 0.20 / 0.60 for the plain layer."""
+    pytest.importorskip("libtpu", reason="the TPU schedule comes from the libtpu wheel's compiler")
+    r, _, overlap = _overlaps((1, 4, 2))
+    assert (r.layer.overlap_chunks, r.layer.fused_qkv_chunks) == (4, 1)
+    _, _, plain = _overlaps((1, 4, 2), **PLAIN)
+    assert overlap[0] == 1.0 and overlap[1] >= 0.85 and overlap[0] > plain[0] + 0.5 and overlap[1] > plain[1]
+
+
+def test_recommended_flags_for_this_host():
+    """models.train applies plan's flags before JAX starts: TPU (libtpu installed) with the chip from
+    TPU_ACCELERATOR_TYPE, nothing on a CPU-only run, and flags the user set keep their value."""
+    from jax_cp import plan
+
+    assert plan.apply_for_this_host({"JAX_PLATFORMS": "cpu"}) is None
+    pytest.importorskip("libtpu", reason="the TPU branch needs the libtpu wheel")
+    env = {"TPU_ACCELERATOR_TYPE": "v5litepod-16", "LIBTPU_INIT_ARGS": "--xla_tpu_enable_async_all_to_all=false"}
+    name, value = plan.apply_for_this_host(env)
+    assert name == "LIBTPU_INIT_ARGS" and env[name] == value
+    flags = value.split()
+    assert "--xla_tpu_enable_async_all_to_all=false" in flags  # the user's choice wins
+    assert set(plan.recommended_xla_flags("tpu", chip="v5e")) - {"--xla_tpu_enable_async_all_to_all=true"} <= set(flags)
+    _, v5p = plan.apply_for_this_host({"TPU_ACCELERATOR_TYPE": "v5p-128"})
+    assert set(v5p.split()) == set(plan.recommended_xla_flags("tpu", chip="v5p"))
