@@ -144,7 +144,7 @@ def _seq_sharding(mesh, axes):
 def jax_cp_impls(kernels=("auto",), xla_max_seq: int = 8192) -> list[Impl]:
     import jax.numpy as jnp
     import jax_cp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     from jax_cp import _attention
 
     from jax_cp import load_balance
@@ -169,7 +169,7 @@ def jax_cp_impls(kernels=("auto",), xla_max_seq: int = 8192) -> list[Impl]:
                         raise NotApplicable(f"dense kernel memory is quadratic; skipped above S={xla_max_seq}")
                     if balanced and not case.causal:
                         raise NotApplicable("load balancing is for causal masks")
-                    mesh = jax_cp.make_mesh(**axes)
+                    mesh = jax_cp.make_mesh(**axes, axis_types=AxisType.Explicit)
                     order = np.asarray(load_balance.positions(case.seq, mesh)) if balanced else None
                     positions = None if order is None else jnp.asarray(order, jnp.int32)
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from jax_cp._layer import init_param, layer_forward, layout_for, param_shapes, param_specs
-from jax_cp._mesh import mesh_dims
+from jax_cp._mesh import is_explicit, mesh_dims, place
 from jax_cp._module import make_config
 
 __all__ = ["CPAttention"]
@@ -46,7 +47,17 @@ class CPAttention(nn.Module):
         specs = param_specs(cfg, layout_for(cfg, mesh_dims(self.mesh)))
         params = {}
         for name, shape in param_shapes(cfg).items():
-            init = lambda key, shape, dtype, name=name: init_param(name, shape, key, dtype, self.kernel_init)
+            init = lambda key, shape, dtype, name=name: _born_placed(
+                init_param(name, shape, key, dtype, self.kernel_init), self.mesh, specs[name])
             params[name] = self.param(name, nn.with_partitioning(init, tuple(specs[name])), shape, self.param_dtype)
         return layer_forward(params, x, mesh=self.mesh, cfg=cfg, dtype=self.dtype, positions=positions,
                              segment_ids=segment_ids, local_window_size=local_window_size)
+
+
+def _born_placed(value, mesh, spec):
+    """Places a fresh parameter as the NNX module does: under ``jax.set_mesh`` on an Explicit mesh,
+    flax's ``nn.with_partitioning`` asserts the layout it names; with no mesh in context it checks
+    nothing (and ``jax.jit(init, out_shardings=...)`` places), so the value stays as it is."""
+    if is_explicit(mesh) and jax.sharding.get_abstract_mesh().empty:
+        return value
+    return place(value, mesh, spec)
