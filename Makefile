@@ -1,23 +1,33 @@
-# make test   : create .venv (PYTHON=python3 by default), install jax_cp[test], run the suite
-# make train  : same venv, train the tiny model on 8 simulated CPU devices
+# make test        : create .venv (PYTHON=python3 by default), install jax_cp[test], run the suite
+# make test-newest : the same suite on Python 3.12 (PYTHON312, found as .ci/run finds it) in .venv312,
+#                    with the newest jax/flax/optax/orbax the index serves (upgraded every time)
+# make train       : same venv as make test, train the tiny model on 8 simulated CPU devices
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.jax_cp-installed
 PYTEST_ARGS ?= -n 2
+PIP_FLAGS ?=
+PYTHON312 ?= $(shell .ci/find-python312)
 
-.PHONY: test train install clean
+.PHONY: test test-newest train install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q $(PIP_FLAGS) -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
 test: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+test-newest:
+	@test -n "$(PYTHON312)" || { echo "no Python 3.12 found: pass PYTHON312=/path/to/python3.12"; exit 2; }
+	rm -f .venv312/.jax_cp-installed
+	$(MAKE) test PYTHON=$(PYTHON312) VENV=.venv312 PIP_FLAGS='--upgrade --upgrade-strategy eager'
+	.venv312/bin/python -c "import jax, flax, optax, orbax.checkpoint as o; print('newest line:', 'jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__)"
 
 train: $(STAMP)
 	rm -rf runs/tiny
@@ -26,4 +36,4 @@ train: $(STAMP)
 		--eval-every 50 --checkpoint-every 100 --out runs/tiny
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .venv312 runs .pytest_cache

@@ -144,7 +144,7 @@ def _seq_sharding(mesh, axes):
 def jax_cp_impls(kernels=("auto",), xla_max_seq: int = 8192) -> list[Impl]:
     import jax.numpy as jnp
     import jax_cp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     from jax_cp import load_balance
 
     strategies = [
@@ -166,7 +166,7 @@ def jax_cp_impls(kernels=("auto",), xla_max_seq: int = 8192) -> list[Impl]:
                         raise NotApplicable(f"dense kernel memory is quadratic; skipped above S={xla_max_seq}")
                     if balanced and not case.causal:
                         raise NotApplicable("load balancing is for causal masks")
-                    mesh = jax_cp.make_mesh(**axes)
+                    mesh = jax_cp.make_mesh(**axes, axis_types=AxisType.Explicit)
                     order = np.asarray(load_balance.positions(case.seq, mesh)) if balanced else None
                     positions = None if order is None else jnp.asarray(order, jnp.int32)
 
@@ -731,9 +731,13 @@ def main(argv=None, extra_impls: list[Impl] = (), log=print) -> list[list[Result
 
     header["load_end"] = load_average()
     log("\nSummary (ratio = fastest correct jax_cp / fastest correct peer):")
+    if not any(i.group == "peer" for i in impls):
+        log(f"  no peer ran, so no ratios (not installed: {', '.join(name for name, _ in skipped) or '-'}; "
+            "pip install -e '.[bench]', best in a separate virtual environment)")
     for s in summary(rows):
         ratio = f"{s['ratio']:.2f}" if s["ratio"] is not None else "-"
-        log(f"  {s['case']:<34} peer {s['best_peer']} {s['best_peer_s'] or 0:.3f}s | jax_cp {s['best_jax_cp']} "
+        peer = f"{s['best_peer']} {s['best_peer_s']:.3f}s" if s["best_peer"] else "- (no correct peer)"
+        log(f"  {s['case']:<34} peer {peer} | jax_cp {s['best_jax_cp']} "
             f"{s['best_jax_cp_s'] or 0:.3f}s | ratio {ratio} | wrong: {', '.join(s['wrong']) or '-'}")
     log(f"# load at end: {header['load_end']}")
     if args.markdown:

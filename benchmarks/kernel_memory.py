@@ -54,7 +54,7 @@ def main():
     print("|---|---|" + "---|" * len(seqs) + "---|")
     for cut in args.mesh.split(";"):
         c, u, t = map(int, cut.split(","))
-        mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
+        mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, axis_types=jax.sharding.AxisType.Explicit)
         for kernel in args.kernels.split(","):
             if kernel == "ring" and c == 1:
                 continue

@@ -102,7 +102,8 @@ def main(argv=None):
         for name, c, u, t in custom or layouts:
             if not custom and name not in args.layouts.split(","):
                 continue
-            mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, devices=devices)
+            mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, devices=devices,
+                                    axis_types=jax.sharding.AxisType.Explicit)
             for key in args.variants.split(","):
                 label, build, chunk_options, needs_c, needs_u = VARIANTS[key]
                 if (needs_c and c == 1) or (needs_u and u == 1):

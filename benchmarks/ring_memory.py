@@ -56,7 +56,8 @@ def main():
     for cut in args.mesh.split(";"):
         c, u, t = map(int, cut.split(","))
         try:
-            mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, devices=topo.devices)
+            mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, devices=topo.devices,
+                                    axis_types=jax.sharding.AxisType.Explicit)
         except NotImplementedError:  # no torus-aware layout for this shape: plain device order
             grid = np.array(topo.devices).reshape(-1, c, u, t)
             mesh = jax.sharding.Mesh(grid, jax_cp.AXES, axis_types=(jax.sharding.AxisType.Explicit,) * 4)

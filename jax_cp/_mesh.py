@@ -28,7 +28,7 @@ def make_mesh(
     tp: int = 1,
     dp: int | None = None,
     devices: Sequence[jax.Device] | None = None,
-    axis_types: AxisType | Sequence[AxisType] | None = None,
+    axis_types: AxisType | Sequence[AxisType] = AxisType.Auto,
 ) -> Mesh:
     """Builds the ``("dp", "cp_colossal", "cp_ulysses", "tp")`` mesh.
 
@@ -36,8 +36,11 @@ def make_mesh(
     topology by ``jax.make_mesh`` so the fast-varying axes (``cp_ulysses``,
     ``tp``) land on the nearest chips. ``devices`` may be any device list,
     including TPU topology devices for ahead-of-time compilation.
-    ``axis_types`` is one ``AxisType`` for all axes or one per axis; ``None``
-    keeps JAX's default (``Explicit``).
+    ``axis_types`` is one ``AxisType`` for all axes or one per axis; the
+    default is ``Auto`` (not ``jax.make_mesh``'s ``Explicit``), so the Flax and
+    optax code around the attention (embedding lookups, losses, optimizer
+    updates, orbax restores, eager ``jax.grad``) runs unchanged.
+    ``AxisType.Explicit`` works too; see the README for what it asks of that code.
     """
     for name, value in (("cp_colossal", cp_colossal), ("cp_ulysses", cp_ulysses), ("tp", tp)):
         check_positive_int(name, value)
@@ -59,10 +62,12 @@ def make_mesh(
         )
     if isinstance(axis_types, AxisType):
         axis_types = (axis_types,) * len(AXES)
-    if axis_types is not None:
-        axis_types = tuple(axis_types)
-        if len(axis_types) != len(AXES):
-            raise ValueError(f"axis_types={axis_types} needs one AxisType per axis of {AXES}.")
+    if axis_types is None:
+        raise ValueError("axis_types=None: pass an AxisType (default AxisType.Auto) or one per axis of "
+                         f"{AXES}.")
+    axis_types = tuple(axis_types)
+    if len(axis_types) != len(AXES):
+        raise ValueError(f"axis_types={axis_types} needs one AxisType per axis of {AXES}.")
     return jax.make_mesh((dp, cp_colossal, cp_ulysses, tp), AXES, axis_types=axis_types, devices=devices)
 
 

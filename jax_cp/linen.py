@@ -4,10 +4,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from jax_cp._defaults import AUTO
 from jax_cp._layer import AttentionSharding, init_param, layer_forward, param_shapes, storage_specs
+from jax_cp._mesh import is_explicit, place
 from jax_cp._spec import AttentionSpec
 
 __all__ = ["CPAttention"]
@@ -53,7 +55,17 @@ class CPAttention(nn.Module):
         specs = storage_specs(spec, self.mesh, self.sharding)
         params = {}
         for name, shape in param_shapes(spec).items():
-            init = lambda key, shape, dtype, name=name: init_param(name, shape, key, dtype, self.kernel_init)
+            init = lambda key, shape, dtype, name=name: _born_placed(
+                init_param(name, shape, key, dtype, self.kernel_init), self.mesh, specs[name])
             params[name] = self.param(name, nn.with_partitioning(init, tuple(specs[name])), shape, self.param_dtype)
         return layer_forward(params, x, mesh=self.mesh, spec=spec, dtype=self.dtype, positions=positions,
                              segment_ids=segment_ids, local_window_size=local_window_size)
+
+
+def _born_placed(value, mesh, spec):
+    """Places a fresh parameter as the NNX module does: under ``jax.set_mesh`` on an Explicit mesh,
+    flax's ``nn.with_partitioning`` asserts the layout it names; with no mesh in context it checks
+    nothing (and ``jax.jit(init, out_shardings=...)`` places), so the value stays as it is."""
+    if is_explicit(mesh) and jax.sharding.get_abstract_mesh().empty:
+        return value
+    return place(value, mesh, spec)

@@ -53,6 +53,8 @@ def _permute_any(x, c: int, axis: int, inverse: bool):
     mesh = getattr(sharding, "mesh", None)
     if mesh is not None and is_explicit(mesh) and any(p is not None for p in sharding.spec):
         return jax.sharding.auto_axes(lambda a: _permute(a, c, axis, inverse), out_sharding=sharding)(x)
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.is_fully_replicated:
+        return jax.device_put(_permute(x, c, axis, inverse), x.sharding)  # Auto mesh, eager: keep it too
     return _permute(x, c, axis, inverse)
 
 

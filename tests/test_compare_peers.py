@@ -64,6 +64,7 @@ def test_harness_marks_wrong_and_ranks_correct(bench):
         assert all(r.ratio is None for r in mine)  # no correct peer in this row: nothing to compare with
     text = "\n".join(lines)
     assert "WRONG" in text and "skipped: MaxText" in text
+    assert "peer - (no correct peer)" in text and "peer None" not in text
     summary = bench.summary(rows)
     assert all("deliberately wrong (no mask)" in s["wrong"] for s in summary)
     assert all(s["best_peer"] is None and s["best_jax_cp"].startswith("jax_cp") for s in summary)
@@ -95,3 +96,14 @@ def test_ratio_against_fastest_correct_peer_and_markdown(bench, tmp_path):
         assert by["jax_cp ulysses (1,8,1)"].ratio is not None and len(by["jax_cp ulysses (1,8,1)"].times) == 2
     text = md.read_text()
     assert "| S=128 bfloat16 full fwd |" in text and "stand-in peer" in text and "Skipped peers" in text
+
+
+@needs_devices(8)
+def test_no_peer_says_what_to_install(bench):
+    """Without any peer (none installed, or --only left them out) the summary says so, not 'peer None 0.000s'."""
+    lines = []
+    bench.main(["--seq", "128", "--dtype", "float32", "--mode", "fwd", "--reps", "1", "--only", "ulysses",
+                "--ref-rows", "16"], log=lines.append)
+    text = "\n".join(lines)
+    assert "no peer ran, so no ratios" in text and "pip install -e '.[bench]'" in text, text
+    assert "peer None" not in text and "peer - (no correct peer)" in text

@@ -15,6 +15,7 @@ import tempfile
 import time
 
 import jax
+from jax.sharding import AxisType
 
 from jax_cp import exchanges
 from jax_cp._checks import check_positive_int
@@ -151,8 +152,10 @@ def _scheduled_text(compiled, dump: str) -> str:
 
 
 def topology_mesh(topology: str, *, cp_colossal: int = 1, cp_ulysses: int = 1, tp: int = 1, dp: int | None = None,
-                  axis_types=None):
+                  axis_types=AxisType.Explicit):
     """``jax_cp.make_mesh`` over the devices of a TPU ``topology`` (for ``analyze_program``).
+
+    Explicit axes by default, as every planner figure was measured (``make_mesh`` defaults to Auto).
 
     Degrees the torus cannot hold are a ``ValueError`` naming them (JAX raises
     ``NotImplementedError`` deep in its mesh utilities).
