@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.sharding import AxisType, PartitionSpec as P
 from jax.test_util import check_grads
 
@@ -89,6 +90,7 @@ def test_exchange_attend_step_equals_reference(exchange):
         lambda q, k, v, pos: exchange.attend(q, k, v, exchanges.Meta(pos), spec))
     want = reference.attend(q, k, v, q_positions=pos, kv_positions=pos, is_causal=True)
     assert_close(f(q, k, v, pos), want, F32, exchange.name)
+    assert_close(exchange.reference(q, k, v, pos, exchanges.Meta(pos), spec), want, F32, "plain reference")
     check_grads(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, pos))), (q, k, v), **GRAD)
 
 
@@ -105,3 +107,25 @@ def test_exchanges_are_values_with_their_constraints():
     assert spec.kv_exchange == exchanges.Ring()
     with pytest.raises(ValueError, match=r"kernel='xla' cannot run kv_exchange='ring'"):
         jax_cp.AttentionSpec(num_heads=4, head_dim=8, kv_exchange=exchanges.Ring(), kernel="xla")
+
+
+def test_projection_custom_vjps_pass_check_grads():
+    """The layer's own custom_vjps: project_parts (QK-norm, RoPE), heads_to_model (inverse all-to-all +
+    output projection) and tie_cotangents, each against numerical derivatives."""
+    from jax_cp._projection import heads_to_model, project_parts, tie_cotangents
+
+    x, wq, wk, norm = _x(2, 8, 6), _x(6, 2, 4, seed=1), _x(6, 1, 4, seed=2), 1.0 + _x(4, seed=3) ** 2
+    pos = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
+
+    def proj(x, wq, wk, norm):
+        q, k = project_parts(x, (wq, wk), (None, None), (norm, None), pos, jnp.float32, 10_000.0, (True, True))
+        return jnp.sum(jnp.sin(q)) + jnp.sum(k * k)
+
+    check_grads(proj, (x, wq, wk, norm), **GRAD)
+    mesh = _mesh(cp_ulysses=4)
+    o, wo = _x(2, 8, 4, 3), _x(4, 3, 5, seed=4)
+    out = _smap(mesh, (P(DP, None, ULY), P()), P(DP, ULY))(  # the weight marked varying, as the layer does
+        lambda o, w: heads_to_model(o, lax.pcast(w, (DP, ULY), to="varying"), ULY))
+    np.testing.assert_allclose(out(o, wo), jnp.einsum("bshe,hed->bsd", o, wo), rtol=1e-5, atol=1e-5)
+    check_grads(lambda o, w: jnp.sum(jnp.sin(out(o, w))), (o, wo), **GRAD)
+    check_grads(lambda a, b: sum(jnp.sum(jnp.sin(t)) for t in tie_cotangents(a, b)), (o, wo), **GRAD)
