@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_cp._defaults import AUTO
-from jax_cp._body import GivenQKV, attention_shard, placed_metadata
+from jax_cp._body import GivenQKV, attention_shard, check_dtype, placed_metadata
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place
 from jax_cp._spec import AttentionSpec, check_seq_batch
 
@@ -51,6 +51,7 @@ def _check_qkv(query, key, value, layout):
         )
     if not (query.dtype == key.dtype == value.dtype):
         raise ValueError(f"query/key/value dtypes {query.dtype}/{key.dtype}/{value.dtype} must be equal.")
+    check_dtype("query", query.dtype)
     return query, key, value
 
 

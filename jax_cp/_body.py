@@ -24,7 +24,7 @@ from jax_cp._mesh import DP, ULYSSES, place
 from jax_cp._ulysses import heads_to_seq, seq_to_heads
 from jax_cp.exchanges import Meta
 
-__all__ = ["attention_shard", "GivenQKV", "placed_metadata", "check_metadata", "META_SPEC"]
+__all__ = ["attention_shard", "GivenQKV", "placed_metadata", "check_dtype", "check_metadata", "META_SPEC"]
 
 # [B, S] positions / segment ids: replicated over the sequence axes. Each device slices
 # the parts it needs, so the layer runs no collective for metadata (ints, B*S*4 bytes,
@@ -67,15 +67,24 @@ class GivenQKV:
 
 
 def check_metadata(name: str, value, batch: int, seq_len: int):
-    """``[S]`` or ``[B, S]`` integer array -> ``[B, S]`` int32 (``None`` passes)."""
+    """Integer array broadcasting to ``[B, S]`` (``[S]``, ``[1, S]``, ``[B, S]``) -> ``[B, S]`` int32 (``None`` passes)."""
     if value is None:
         return None
     value = jnp.asarray(value)
     if not jnp.issubdtype(value.dtype, jnp.integer):
         raise ValueError(f"{name}.dtype={value.dtype} must be an integer dtype (e.g. int32).")
-    if value.shape not in ((seq_len,), (batch, seq_len)):
-        raise ValueError(f"{name}.shape={value.shape} must be (seq_len,)=({seq_len},) or (batch, seq_len)=({batch}, {seq_len}).")
+    if value.ndim > 2 or value.shape[-1:] != (seq_len,) or value.ndim == 2 and value.shape[0] not in (1, batch):
+        raise ValueError(f"{name}.shape={value.shape} must be (seq_len,)=({seq_len},) or (batch, seq_len)="
+                         f"({batch}, {seq_len}) (or anything that broadcasts to it, e.g. (1, {seq_len})).")
     return jnp.broadcast_to(value.astype(jnp.int32), (batch, seq_len))
+
+
+def check_dtype(name: str, dtype) -> None:
+    """Real floating point only: complex and integer inputs are refused, not silently mis-computed."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{name}.dtype={dtype} is not supported: jax_cp attends over real floating-point inputs "
+                         "(float32, bfloat16, float16, float64 with jax_enable_x64); cast first, e.g. x.astype(jnp.float32).")
 
 
 def placed_metadata(positions, segment_ids, batch: int, seq_len: int, mesh):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_cp._body import attention_shard, placed_metadata
+from jax_cp._body import attention_shard, check_dtype, placed_metadata
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place
 from jax_cp._projection import LinearProjections
 from jax_cp._spec import AttentionSpec, Layout, check_seq_batch
@@ -107,7 +107,9 @@ def layer_forward(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None,
         raise ValueError(f"x.shape={getattr(x_BSD, 'shape', None)} must be (batch, seq_len, "
                          f"in_features={spec.in_features}).")
     B, S, _ = x_BSD.shape
+    check_dtype("x", x_BSD.dtype)
     dtype = jnp.dtype(x_BSD.dtype if dtype is None else dtype)
+    check_dtype("dtype", dtype)
     spec, _ = spec.replace(local_window_size=local_window_size, scale=scale).resolve(
         mesh, batch=B, seq_len=S, itemsize=dtype.itemsize)
     layout = spec.layout(mesh_dims(mesh))

@@ -5,11 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import AxisType
 
 import jax_cp
 from jax_cp import reference
-from util import MESHES, assert_matches, random_qkv
+from util import MESHES, assert_close, assert_matches, random_qkv
 
 B, S, H, d = 2, 32, 8, 8
 KV = (8, 2, 1)  # kv-head ratios 1, 4 and MQA
@@ -91,6 +92,27 @@ def test_errors(name, spec, match):
     q, k, v, _ = random_qkv(spec.get("B", 2), spec.get("S", 32), spec.get("H", 8), spec.get("K", 2), d)
     with pytest.raises(ValueError, match=match):
         _attn(mesh, q, k, v, **spec.get("kw", {}))
+
+
+@pytest.mark.parametrize("dtype", [jnp.complex64, jnp.int32])
+def test_non_real_dtypes_are_refused(dtype):
+    """Complex (a port of flax's dtype test gave values off by up to 8) and integer inputs: a clear error."""
+    mesh = jax_cp.make_mesh(cp_colossal=8)
+    q = jnp.ones((2, 32, 8, d), dtype)
+    with pytest.raises(ValueError, match=rf"query.dtype={jnp.dtype(dtype)} is not supported.*cast first"):
+        _attn(mesh, q, q, q)
+    attn = jax_cp.CPAttention(8, 32, mesh=mesh, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=rf"x.dtype={jnp.dtype(dtype)} is not supported"):
+        attn(jnp.ones((2, 32, 32), dtype))
+
+
+def test_float16_matches_the_reference():
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    q, k, v, _ = random_qkv(2, 32, 8, 2, d)
+    out = _attn(mesh, *(a.astype(jnp.float16) for a in (q, k, v)), is_causal=True)
+    assert out.dtype == jnp.float16
+    ref = jax_cp.reference.dot_product_attention(q, k, v, is_causal=True)
+    assert_close(out, ref, jnp.float16, "float16")
 
 
 def test_shape_errors():

@@ -164,6 +164,11 @@ def test_metadata_errors():
     attn = lambda **kw: jax_cp.dot_product_attention(q, k, v, mesh=mesh, **kw)
     with pytest.raises(ValueError, match=r"positions.shape=\(2, 16\) must be \(seq_len,\)=\(32,\) or \(batch, seq_len\)"):
         attn(positions=jnp.zeros((2, 16), jnp.int32))
+    with pytest.raises(ValueError, match=r"positions.shape=\(2, 1, 32\) must be \(seq_len,\)"):
+        attn(positions=jnp.zeros((2, 1, S), jnp.int32))
+    # (1, S) broadcasts to (batch, seq_len), like (S,): the same result.
+    pos = jnp.arange(S, dtype=jnp.int32)[::-1]
+    np.testing.assert_array_equal(attn(positions=pos[None], is_causal=True), attn(positions=pos, is_causal=True))
     with pytest.raises(ValueError, match=r"positions.dtype=float32 must be an integer dtype"):
         attn(positions=jnp.zeros((S,), jnp.float32))
     with pytest.raises(ValueError, match=r"segment_ids.shape=\(3, 32\)"):

@@ -11,6 +11,7 @@ import numpy as np
 TOL = {
     jnp.dtype(jnp.float32): dict(atol=2e-5, rtol=2e-5),
     jnp.dtype(jnp.bfloat16): dict(atol=3e-2, rtol=3e-2),
+    jnp.dtype(jnp.float16): dict(atol=1e-2, rtol=1e-2),
 }
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 4, 1), (4, 2, 1), (2, 2, 2), (1, 4, 2), (4, 1, 2), (1, 2, 4), (2, 2, 1), (1, 2, 2)]
