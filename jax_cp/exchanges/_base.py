@@ -54,14 +54,13 @@ class KVExchange:
         """Per device: queries and K/V of the colossal chunk (heads split) -> ``o [B, T, H, d]``."""
         raise NotImplementedError
 
-    def reference(self, q_BTHd, k_BSKd, v_BSKd, q_pos_BT, meta: Meta, spec):
-        """What ``attend`` computes, written plainly: the device's queries (at ``q_pos_BT``)
-        against every key of the global ``k, v [B, S, K, d]`` (``jax_cp.reference.attend``)."""
+    def reference(self, q_BTHd, k_BSKd, v_BSKd, q_meta: Meta, kv_meta: Meta, spec):
+        """What ``attend`` computes, written plainly: the device's queries (their positions and
+        segment ids in ``q_meta``) against every key of the global ``k, v [B, S, K, d]``."""
         from jax_cp import reference  # the plain module imports the layer, which imports this one
 
-        q_seg = None if meta.seg is None else _match_positions(q_pos_BT, meta)
-        return reference.attend(q_BTHd, k_BSKd, v_BSKd, q_positions=q_pos_BT, kv_positions=meta.pos,
-                                q_segment_ids=q_seg, kv_segment_ids=meta.seg, is_causal=spec.is_causal,
+        return reference.attend(q_BTHd, k_BSKd, v_BSKd, q_positions=q_meta.pos, kv_positions=kv_meta.pos,
+                                q_segment_ids=q_meta.seg, kv_segment_ids=kv_meta.seg, is_causal=spec.is_causal,
                                 local_window_size=spec.local_window_size, scale=spec.scale)
 
     def attend_local(self, q_BTHd, k_BtKd, v_BtKd, meta: Meta, spec):
@@ -69,12 +68,6 @@ class KVExchange:
         K and V cross ``cp_ulysses`` in one all-to-all first."""
         k, v = seq_to_heads((k_BtKd, v_BtKd), ULYSSES)
         return self.attend(q_BTHd, k, v, meta, spec)
-
-
-def _match_positions(q_pos_BT, meta: Meta):
-    """Segment ids of the queries, looked up by position among the keys (a plain gather)."""
-    idx = (q_pos_BT[:, :, None] == meta.pos[:, None, :]).argmax(-1)
-    return jax.numpy.take_along_axis(meta.seg, idx, axis=1)
 
 
 def attend_gathered(q_BTHd, kv_BS2Kd, meta: Meta, spec):

@@ -74,8 +74,8 @@ def _ring_bwd(axis_name, spec, res, do):
     home = (k, v, pos, seg)
     if c == 1:
         dq, dk, dv = grads(home)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
-    dq, (dk, dv) = _backward_ring(grads, home, do, axis_name, c)
+    else:
+        dq, (dk, dv) = _backward_ring(grads, home, do, axis_name, c)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
