@@ -12,6 +12,7 @@ Letters: B batch, T queries, S keys, H query heads, K kv heads, d head dim.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from functools import partial
 
@@ -21,10 +22,12 @@ from jax import lax
 
 from jax_cp._blockwise import vma as _vma
 
-__all__ = ["splash_attention", "splash_unsupported_reason", "LANES"]
+__all__ = ["splash_attention", "splash_unsupported_reason", "LANES", "RingStep", "ring_prepare", "ring_forward_step",
+           "ring_backward_step"]
 
 LANES = 128  # splash block sizes are multiples of this
 _IMAX = jnp.iinfo(jnp.int32).max
+_NEG = -1e30  # the log-sum-exp of rows that see no key (as the blockwise kernel's)
 
 
 def splash_unsupported_reason(*, window) -> str | None:
@@ -62,20 +65,24 @@ def _mask_info(block_mask_NM, data_next_NM):
                     partial_mask_blocks=None, q_sequence=None)
 
 
-def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, *, T, S, is_causal, interpret):
-    """One batch row, already padded to block multiples; returns ``o_HTd`` and ``has_key_T``."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as sa
-
-    Tp, Sp = q_HTd.shape[1], k_KSd.shape[1]
+def _sort_keys(kpos, kseg, S):
+    """One row's keys, padded to ``Sp``: the permutation that sorts them by
+    ``(padding, segment, position)`` and the sorted ``(padding, segment, position)`` keys."""
+    Sp = kpos.shape[0]
     kseg0 = jnp.zeros(Sp, jnp.int32) if kseg is None else kseg
     kinv = ((jnp.arange(Sp) >= S) | (kseg0 < 0)).astype(jnp.int32)  # padding (negative segment) sorts last
-    qseg0 = jnp.zeros(Tp, jnp.int32) if qseg is None else qseg
-    perm = lax.sort((kinv, kseg0, kpos, jnp.arange(Sp, dtype=jnp.int32)), num_keys=3)[3]
-    k_KSd, v_KSd, kseg_s = k_KSd[:, perm], v_KSd[:, perm], kseg0[perm]
-    kv_keys = (kinv, kseg0, kpos)
-    zeros = jnp.zeros(Tp, jnp.int32)
-    hi = _counts_le(kv_keys, (zeros, qseg0, qpos if is_causal else jnp.full(Tp, _IMAX, jnp.int32)))
-    lo = _counts_le(kv_keys, (zeros, qseg0 - 1, jnp.full(Tp, _IMAX, jnp.int32)))  # keys of earlier segments
+    kinv_s, kseg_s, kpos_s, perm = lax.sort((kinv, kseg0, kpos, jnp.arange(Sp, dtype=jnp.int32)), num_keys=3)
+    return perm, (kinv, kseg0, kpos), (kinv_s, kseg_s, kpos_s)
+
+
+def _row_info(kv_keys, q_hi, q_lo, *, T):
+    """The kernel's mask for one row: ``(fwd, dq, dkv)`` MaskInfos whose ``q_sequence`` is each
+    query's bound in the sorted keys, and ``has_key_T``. ``kv_keys`` (sorted or not: only counts
+    are taken) are the keys' sort tuples; query ``t`` sees sorted keys ``lo_t <= s < hi_t`` where
+    ``hi_t`` counts the keys ``<= q_hi[t]`` and ``lo_t`` those ``<= q_lo[t]`` (none if ``q_lo`` is None)."""
+    Tp, Sp = q_hi[0].shape[0], kv_keys[0].shape[0]
+    hi = _counts_le(kv_keys, q_hi)
+    lo = jnp.zeros(Tp, jnp.int32) if q_lo is None else _counts_le(kv_keys, q_lo)
     qvalid = jnp.arange(Tp) < T
     hi = jnp.where(qvalid, hi, 0)
     has_key = hi > lo
@@ -90,13 +97,37 @@ def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, *, T, S, is_causal, in
     block_mask = live.astype(jnp.int8)
     j_next = jnp.where(live, starts // bk, 0).astype(jnp.int32)
     i_next = jnp.where(live, jnp.arange(N, dtype=jnp.int32)[:, None], 0)
+    fwd, dq, dkv = _mask_info(block_mask, j_next), _mask_info(block_mask, j_next), _mask_info(block_mask, i_next)
+    return tuple(m._replace(q_sequence=hi) for m in (fwd, dq, dkv)), has_key
+
+
+def _static(Tp: int, Sp: int, interpret: bool) -> tuple:
+    """The kernel's static settings for padded lengths ``Tp`` x ``Sp`` (hashable)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    bq, bk = _block(Tp), _block(Sp)
     sizes = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
                           block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
-    fwd, dq, dkv = _mask_info(block_mask, j_next), _mask_info(block_mask, j_next), _mask_info(block_mask, i_next)
-    fwd, dq, dkv = (m._replace(q_sequence=hi) for m in (fwd, dq, dkv))
-    static = tuple(sorted({**_kernel_kwargs(sizes, interpret), "save_residuals": False}.items()))
-    segment_ids = None if qseg is None else sa.SegmentIds(q=qseg0, kv=kseg_s)
-    return _unchecked_call(static, (fwd, dq, dkv), q_HTd, k_KSd, v_KSd, segment_ids), has_key
+    return tuple(sorted({**_kernel_kwargs(sizes, interpret), "save_residuals": False}.items()))
+
+
+def _segment_ids(qseg, qseg0, kseg_s):
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    return None if qseg is None else sa.SegmentIds(q=qseg0, kv=kseg_s)
+
+
+def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, *, T, S, is_causal, interpret):
+    """One batch row, already padded to block multiples; returns ``o_HTd`` and ``has_key_T``."""
+    Tp, Sp = q_HTd.shape[1], k_KSd.shape[1]
+    perm, kv_keys, _ = _sort_keys(kpos, kseg, S)
+    k_KSd, v_KSd, kseg_s = k_KSd[:, perm], v_KSd[:, perm], kv_keys[1][perm]
+    qseg0 = jnp.zeros(Tp, jnp.int32) if qseg is None else qseg
+    zeros, imax = jnp.zeros(Tp, jnp.int32), jnp.full(Tp, _IMAX, jnp.int32)
+    q_hi = (zeros, qseg0, qpos if is_causal else imax)
+    infos, has_key = _row_info(kv_keys, q_hi, (zeros, qseg0 - 1, imax), T=T)  # lo: keys of earlier segments
+    static = _static(Tp, Sp, interpret)
+    return _unchecked_call(static, infos, q_HTd, k_KSd, v_KSd, _segment_ids(qseg, qseg0, kseg_s)), has_key
 
 
 def _no_vma_check():
@@ -213,3 +244,104 @@ def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids
     o_BHTd, has_key_BT = jax.vmap(row)(q, k, v, qpos, kpos, qseg, kseg)
     o = jnp.swapaxes(o_BHTd, 1, 2)[:, :T]
     return jnp.where(has_key_BT[:, :T, None, None], o, 0).astype(q_BTHd.dtype)
+
+
+# --- The ring's steps: one splash call per K/V chunk, merged by log-sum-exp ----------------------
+# The chunk is prepared once at home (head-major, padded to lanes, keys sorted by
+# (padding, segment, position)) and travels that way; each step builds the kernel's
+# mask from the data in hand, so fully hidden blocks (and steps) run no block work.
+
+
+@dataclasses.dataclass(frozen=True)
+class RingStep:
+    """Static settings of a ring's splash steps (hashable: a ``custom_vjp`` static argument)."""
+
+    T: int  # true chunk length (queries and keys: the ring's chunks are the same tokens)
+    is_causal: bool
+    has_segments: bool
+    static: tuple  # the kernel's keyword arguments
+
+
+def _pad_seq(x, length, value=0):
+    return None if x is None else jnp.moveaxis(_pad_len(jnp.moveaxis(x, 1, 0), length, value), 0, 1)
+
+
+def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, interpret):
+    """``(q [B, H, Tp, d] scaled, q metadata, home chunk, RingStep)``. The home chunk is
+    ``(k [B, K, Tp, d], v, positions, segments)`` with each row's keys sorted by (segment,
+    position); padding keys (beyond the chunk, or of a negative segment) carry segment
+    ``int32 max`` and sort last. ``segments`` is None when there is neither padding nor a
+    segment id, so that only what the mask needs travels."""
+    B, T, H, d = q_BTHd.shape
+    Tp = -(-T // LANES) * LANES
+    scale = d**-0.5 if scale is None else scale
+    qx = jnp.swapaxes(_pad_seq(q_BTHd * jnp.asarray(scale, q_BTHd.dtype), Tp), 1, 2)
+    pos = _pad_seq(jnp.asarray(pos_BT, jnp.int32), Tp)
+    seg = _pad_seq(None if seg_BT is None else jnp.asarray(seg_BT, jnp.int32), Tp)
+    if seg is None and Tp == T:
+        pos_s, perm = lax.sort((pos, jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), pos.shape)), num_keys=1)
+        keys = (pos_s, None)
+    else:
+        seg0 = jnp.zeros_like(pos) if seg is None else seg
+        kseg = jnp.where((jnp.arange(Tp) >= T)[None] | (seg0 < 0), _IMAX, seg0)
+        kseg_s, pos_s, perm = lax.sort((kseg, pos, jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), pos.shape)),
+                                       num_keys=2)
+        keys = (pos_s, kseg_s)
+    kx, vx = (jnp.take_along_axis(jnp.swapaxes(_pad_seq(a, Tp), 1, 2), perm[:, None, :, None], axis=2)
+              for a in (k_BTKd, v_BTKd))
+    qm = (pos, seg)
+    return qx, qm, (kx, vx, *keys), RingStep(T, bool(is_causal), seg is not None, _static(Tp, Tp, interpret))
+
+
+def _row_kernel_args(step: RingStep, kv, qm):
+    _, _, kpos, kseg = kv
+    qpos, qseg = qm
+    Tp = qpos.shape[0]
+    bound = qpos if step.is_causal else jnp.full(Tp, _IMAX, jnp.int32)
+    if kseg is None:  # no segments, no padding: keys sorted by position
+        infos, has_key = _row_info((kpos,), (bound,), None, T=step.T)
+        return infos, has_key, None
+    qseg0 = jnp.zeros(Tp, jnp.int32) if qseg is None else qseg
+    q_lo = None if qseg is None else (qseg0 - 1, jnp.full(Tp, _IMAX, jnp.int32))  # keys of earlier segments
+    infos, has_key = _row_info((kseg, kpos), (qseg0, bound), q_lo, T=step.T)
+    return infos, has_key, _segment_ids(qseg, qseg0, kseg)
+
+
+def ring_forward_step(step: RingStep, qx, qm, kv, carry=None):
+    """Attends the queries to the chunk ``kv`` in hand; ``carry=(o, lse)`` of earlier chunks
+    (float32, ``[B, H, Tp, d]`` and ``[B, H, Tp]``) is merged by log-sum-exp."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
+
+    def row(q, kv, qm):
+        infos, has_key, segment_ids = _row_kernel_args(step, kv, qm)
+        with _no_vma_check():
+            o, res = ska._splash_attention_fwd(*infos, q, kv[0], kv[1], segment_ids, None, **dict(step.static))
+        lse = res[6]  # the residuals' log-sum-exp, [H, Tp]
+        return (jnp.where(has_key[None, :, None], o.astype(jnp.float32), 0.0),
+                jnp.where(has_key[None], lse.astype(jnp.float32), _NEG))
+
+    o, lse = jax.vmap(row)(qx, kv, qm)
+    o, lse = _vary_as(o, qx, kv[0]), _vary_as(lse, qx, kv[0])
+    if carry is None:
+        return o, lse
+    o0, lse0 = carry
+    new = jnp.logaddexp(lse0, lse)
+    return o0 * jnp.exp(lse0 - new)[..., None] + o * jnp.exp(lse - new)[..., None], new
+
+
+def ring_backward_step(step: RingStep, qx, qm, kv, o, lse, do, dq=None):
+    """``(dq, dk, dv)`` (float32) of the chunk ``kv`` given the final ``o`` (queries' dtype) and
+    ``lse``: splash's backward kernels with the merged residuals, so summing over chunks gives
+    the full gradient (``dq`` is added to)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
+
+    def row(q, kv, qm, o, lse, do):
+        infos, _, segment_ids = _row_kernel_args(step, kv, qm)
+        res = (q, kv[0], kv[1], segment_ids, None, o, lse, infos[1], infos[2])
+        with _no_vma_check():
+            grads = ska._splash_attention_bwd(**dict(step.static), res=res, do=do)
+        return grads[3:6]
+
+    dq_s, dk, dv = jax.vmap(row)(qx, kv, qm, o, lse, do)
+    dq_s, dk, dv = (_vary_as(g.astype(jnp.float32), qx, kv[0]) for g in (dq_s, dk, dv))
+    return dq_s if dq is None else dq + dq_s, dk, dv

@@ -4,7 +4,8 @@ With a causal mask, contiguous chunks give colossal rank 0 almost no work and
 the last rank almost all. Reorder once, at the input: cut the sequence into
 ``2c`` chunks (``c = |cp_colossal|``); colossal rank ``i`` takes chunks ``i`` and
 ``2c-1-i``. Tokens, labels, positions and segment ids move together, so masks
-(computed from positions) stay right. Pure Ulysses (``c = 1``) is a no-op.
+(computed from positions) stay right: :func:`reorder` hands back the positions
+with the arrays, so the order never travels without them. Pure Ulysses (``c = 1``) is a no-op.
 Implemented with reshape/reverse/concatenate, never a gather.
 """
 from __future__ import annotations
@@ -66,8 +67,23 @@ def _apply(tree, mesh, axis: int, inverse: bool):
 
 
 def reorder(tree, mesh, *, axis: int = 1):
-    """Puts every array of ``tree`` (sequence on ``axis``) into the balanced order."""
-    return _apply(tree, mesh, axis, inverse=False)
+    """Puts every array of ``tree`` (sequence on ``axis``) into the balanced order.
+
+    Returns ``(reordered_tree, positions)``: ``positions`` (``[seq_len]`` int32) are
+    the natural positions of the reordered tokens, what ``positions=`` of the
+    attention call must be (attention without them assumes the natural order and
+    is silently wrong on balanced inputs). A tree that carries its own positions
+    (per-document positions of packed sequences, reordered with it) passes those
+    instead. :func:`restore` undoes the reorder.
+    """
+    lengths = {jnp.shape(x)[axis] for x in jax.tree.leaves(tree)}
+    if len(lengths) != 1:
+        raise ValueError(f"reorder: the arrays of tree must share one sequence length on axis={axis}, "
+                         f"got lengths {sorted(lengths)}; reorder trees of one sequence length at a time.")
+    (seq_len,) = lengths
+    c = mesh_dims(mesh).c
+    natural = jnp.arange(seq_len, dtype=jnp.int32)
+    return _apply(tree, mesh, axis, inverse=False), natural if c == 1 else _permute(natural, c, 0, False)
 
 
 def restore(tree, mesh, *, axis: int = 1):
@@ -79,7 +95,7 @@ def positions(seq_len: int, mesh) -> jax.Array:
     """Global positions ``[seq_len]`` (int32) of the reordered sequence."""
     dims = mesh_dims(mesh)
     _check_len(seq_len, dims.c, dims.u)
-    return reorder(jnp.arange(seq_len, dtype=jnp.int32), mesh, axis=0)
+    return _apply(jnp.arange(seq_len, dtype=jnp.int32), mesh, 0, inverse=False)
 
 
 def work(mesh, seq_len: int, *, is_causal: bool, segment_ids=None, local_window_size=None,
@@ -98,7 +114,7 @@ def work(mesh, seq_len: int, *, is_causal: bool, segment_ids=None, local_window_
     pos = jnp.arange(seq_len, dtype=jnp.int32)[None]
     seg = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32).reshape(-1, seq_len)
     if balanced:
-        pos, seg = reorder((pos, seg), mesh)
+        pos, seg = _apply((pos, seg), mesh, 1, inverse=False)
     window = normalize_window(local_window_size)
     chunk = seq_len // dims.c
     pairs = []

@@ -268,7 +268,7 @@ def setup(cfg: TrainConfig, devices=None) -> Setup:
     eval_windows = data_lib.Windows(corpus.eval, cfg.seq_len, seed=1_000_003)
     order = None
     if cfg.load_balance and dims.c > 1:
-        order = np.asarray(load_balance.reorder(np.arange(cfg.seq_len), mesh, axis=0))
+        order = np.asarray(load_balance.positions(cfg.seq_len, mesh))  # natural index of each balanced slot
     return Setup(mesh, train_windows, eval_windows, order, NamedSharding(mesh, Sharding().tokens_BS))
 
 

@@ -61,11 +61,34 @@ def test_packed_windows_balanced(cut, causal, window, balanced, dtype):
     seg = packed_segments(c + 7 * u, B, S)
     pos = packed_positions(seg)
     if balanced:
-        q, k, v, ct, seg, pos = lb.reorder((q, k, v, ct, seg, pos), mesh)
+        (q, k, v, ct, seg, pos), _ = lb.reorder((q, k, v, ct, seg, pos), mesh)
     kw = dict(is_causal=causal, local_window_size=window, segment_ids=seg, positions=pos)
     f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, **kw)
     ref = lambda q, k, v: reference.dot_product_attention(q, k, v, **kw)
     assert_matches(f, ref, (q, k, v), ct, dtype, f"{cut=} {causal=} {window=} {balanced=}")
+
+
+def test_reorder_hands_back_the_positions_it_needs():
+    """The order never travels without its positions: attention on reordered inputs with the
+    positions reorder returned equals the reference on the same (reordered) data; without them
+    the answer would be wrong (error ~1 against the balanced reference), which the old
+    ``reorder`` returning only the tree made easy to forget."""
+    mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
+    q, k, v, _ = random_qkv(B, S, H, K, d, seed=5)
+    (qb, kb, vb), pos = lb.reorder((q, k, v), mesh)
+    assert pos.dtype == jnp.int32 and pos.shape == (S,)
+    np.testing.assert_array_equal(pos, lb.positions(S, mesh))
+    out = jax.jit(lambda q, k, v, p: jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True,
+                                                                  positions=p))(qb, kb, vb, pos)
+    ref = reference.dot_product_attention(qb, kb, vb, is_causal=True, positions=pos)
+    assert_close(out, ref, jnp.float32)
+    forgot = reference.dot_product_attention(qb, kb, vb, is_causal=True)
+    assert float(jnp.abs(forgot - ref).max()) > 0.1  # what passing no positions would compute
+    assert_close(lb.restore(out, mesh), reference.dot_product_attention(q, k, v, is_causal=True), jnp.float32)
+    _, natural = lb.reorder(q, jax_cp.make_mesh(cp_ulysses=8))  # no-op order: natural positions
+    np.testing.assert_array_equal(natural, np.arange(S))
+    with pytest.raises(ValueError, match=r"must share one sequence length on axis=1, got lengths \[16, 32\]"):
+        lb.reorder((q, q[:, :16]), mesh)
 
 
 @pytest.mark.parametrize("cut", [(4, 2, 1), (2, 2, 2), (8, 1, 1)])
@@ -74,28 +97,29 @@ def test_balanced_then_restored_equals_natural(cut):
     mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
     q, k, v, _ = random_qkv(B, S, H, K, d, seed=3)
     natural = jax.jit(lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True))(q, k, v)
-    pos = lb.positions(S, mesh)
+    (qb, kb, vb), pos = lb.reorder((q, k, v), mesh)
     balanced = jax.jit(lambda q, k, v: jax_cp.dot_product_attention(
-        q, k, v, mesh=mesh, is_causal=True, positions=pos))(*lb.reorder((q, k, v), mesh))
+        q, k, v, mesh=mesh, is_causal=True, positions=pos))(qb, kb, vb)
     restored = lb.restore(balanced, mesh)
     assert restored.sharding.is_equivalent_to(balanced.sharding, 4)
     np.testing.assert_allclose(restored, natural, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(jax.jit(lambda b: lb.restore(b, mesh))(balanced), natural, atol=2e-5, rtol=2e-5)
-    np.testing.assert_array_equal(pos, lb.reorder(jnp.arange(S), mesh, axis=0))
+    np.testing.assert_array_equal(pos, lb.reorder(jnp.arange(S), mesh, axis=0)[0])
+    np.testing.assert_array_equal(pos, lb.positions(S, mesh))
 
 
 def test_reorder_restore_identity_and_layout():
     mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
-    np.testing.assert_array_equal(lb.reorder(jnp.arange(16), mesh, axis=0),
+    np.testing.assert_array_equal(lb.reorder(jnp.arange(16), mesh, axis=0)[0],
                                   [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9])
     tree = {"tokens": jnp.arange(2 * 32).reshape(2, 32), "x": jnp.arange(2 * 32 * 3.0).reshape(2, 32, 3)}
-    back = lb.restore(lb.reorder(tree, mesh), mesh)
+    back = lb.restore(lb.reorder(tree, mesh)[0], mesh)
     jax.tree.map(np.testing.assert_array_equal, back, tree)
-    np.testing.assert_array_equal(lb.restore(lb.reorder(tree["x"], mesh, axis=-2), mesh, axis=-2), tree["x"])
+    np.testing.assert_array_equal(lb.restore(lb.reorder(tree["x"], mesh, axis=-2)[0], mesh, axis=-2), tree["x"])
     uly = jax_cp.make_mesh(cp_ulysses=8)
-    np.testing.assert_array_equal(lb.reorder(tree["tokens"], uly), tree["tokens"])  # no-op for Ulysses
+    np.testing.assert_array_equal(lb.reorder(tree["tokens"], uly)[0], tree["tokens"])  # no-op for Ulysses
     # reshape/reverse/concatenate only: no gather in the compiled program.
-    hlo = jax.jit(lambda t: lb.reorder(t, mesh)).lower(tree["x"]).as_text()
+    hlo = jax.jit(lambda t: lb.reorder(t, mesh)[0]).lower(tree["x"]).as_text()
     assert "gather" not in hlo
 
 
@@ -137,7 +161,7 @@ def test_causality_by_gradient(balanced):
     x = jax.random.normal(jax.random.key(0), (2, S, 16))
     pos = jnp.arange(S)
     if balanced:
-        x, pos = lb.reorder(x, mesh), lb.positions(S, mesh)
+        x, pos = lb.reorder(x, mesh)
     p_natural = 13
     p_row = int(np.flatnonzero(np.asarray(pos) == p_natural)[0])
     pick = jnp.zeros((1, S, 1)).at[0, p_row, 0].set(1.0)  # selects row p_row (no slicing of a sharded axis)
@@ -153,7 +177,7 @@ def test_module_packed_window_matches_reference():
     cp = jax_cp.CPAttention(8, 16, mesh=mesh, overlap_chunks=2, rngs=nnx.Rngs(0), **kw)
     ref = reference.Attention(8, 16, rngs=nnx.Rngs(0), **kw)
     seg = packed_segments(11, 2, S)
-    x, seg, pos = lb.reorder((jax.random.normal(jax.random.key(1), (2, S, 16)), seg, packed_positions(seg)), mesh)
+    (x, seg, pos), _ = lb.reorder((jax.random.normal(jax.random.key(1), (2, S, 16)), seg, packed_positions(seg)), mesh)
     call = dict(positions=pos, segment_ids=seg, local_window_size=(6, 0))
     assert_close(jax.jit(lambda x: cp(x, **call))(x), ref(x, **call), jnp.float32)
 

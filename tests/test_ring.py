@@ -16,6 +16,8 @@ from jax_cp import reference
 from jax_cp._blockwise import Meta, block_visible, make_spec
 from util import assert_close, assert_matches, random_qkv
 
+lb_positions = jax_cp.load_balance.positions
+
 B, S, H, d = 2, 64, 8, 8
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -39,10 +41,39 @@ def test_ring_matches_reference(cut, K, mask, dtype, balanced):
     seg = None
     if mask.pop("segments", False):
         natural = jnp.stack([jnp.arange(S) // 24, jnp.arange(S) // 40]).astype(jnp.int32)
-        seg = jax_cp.load_balance.reorder(natural, mesh) if balanced else natural
+        seg = jax_cp.load_balance.reorder(natural, mesh)[0] if balanced else natural
     kw = dict(positions=pos, segment_ids=seg, **mask)
     f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="ring", **kw)
     ref = lambda q, k, v: reference.dot_product_attention(q, k, v, **kw)
+    assert_matches(f, ref, (q, k, v), ct, dtype, f"{cut=} {K=} {mask=} {balanced=}")
+
+
+SPLASH_CASES = [  # interpret mode: the TPU kernel emulated; (c, u, t), K, mask, dtype, load-balanced
+    ((2, 4, 1), 2, dict(is_causal=True), F32, True),  # causal, load-balanced, GQA
+    ((4, 2, 1), 1, dict(is_causal=True, segments=True), F32, False),  # packed documents, MQA
+    ((2, 2, 2), 4, dict(segments=True), F32, True),  # hybrid x tp, full attention within documents
+    ((2, 2, 1), 2, dict(is_causal=True, segments=True), BF16, True),  # dp = 2, bfloat16
+]
+
+
+@pytest.mark.parametrize("cut,K,mask,dtype,balanced", SPLASH_CASES)
+def test_ring_with_splash_matches_reference(cut, K, mask, dtype, balanced):
+    """Every ring step runs the splash kernel (forward with its log-sum-exp, backward with the
+    merged output and log-sum-exp) and the result equals the reference, forward and gradients."""
+    c, u, t = cut
+    mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
+    q, k, v, ct = random_qkv(B, S, H, K, d, dtype, seed=c + 2 * u + 3 * t)
+    mask = dict(mask)
+    natural = jnp.stack([jnp.arange(S) // 24, jnp.arange(S) // 40]).astype(jnp.int32)
+    seg = natural if mask.pop("segments", False) else None
+    pos = None
+    if balanced:  # the sequence in load-balanced order, with its positions
+        seg, pos = jax_cp.load_balance.reorder(seg, mesh) if seg is not None else (None, lb_positions(S, mesh))
+    kw = dict(positions=pos, segment_ids=seg, **mask)
+    f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="ring", kernel="splash", **kw)
+    ref = lambda q, k, v: reference.dot_product_attention(q, k, v, **kw)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda q: f(q, k, v).astype(F32).sum()))(q))
+    assert "pallas_call" in jaxpr and "ppermute" in jaxpr
     assert_matches(f, ref, (q, k, v), ct, dtype, f"{cut=} {K=} {mask=} {balanced=}")
 
 
@@ -68,8 +99,14 @@ def test_module_passes_ring_through():
 def test_ring_errors():
     mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
     q, k, v, _ = random_qkv(B, S, H, 2, d)
-    with pytest.raises(ValueError, match=r"kernel='splash' cannot run kv_exchange='ring'.*use kernel='auto'"):
-        jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="ring", kernel="splash")
+    with pytest.raises(ValueError, match=r"kernel='xla' cannot run kv_exchange='ring'.*use kernel='auto', "
+                                         r"'blockwise' or 'splash'"):
+        jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="ring", kernel="xla")
+    with pytest.raises(ValueError, match=r"kernel='xla' cannot run kv_exchange='ring'"):  # at construction
+        jax_cp.CPAttention(8, 16, mesh=mesh, kv_exchange="ring", kernel="xla", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this mask: local_window_size=\(4, 0\)"):
+        jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="ring", kernel="splash",
+                                     is_causal=True, local_window_size=(4, 0))
     with pytest.raises(ValueError, match=r"kv_exchange='tree' must be one of \('all_gather', 'all_to_all', 'ring'\)"):
         jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="tree")
 
@@ -96,7 +133,7 @@ def test_ring_steps_skip_masked_chunks_and_balance():
 
 def _permutes_enclosing_compute(hlo: str) -> dict[str, bool]:
     """Each async collective-permute of the scheduled HLO (any computation, loop bodies
-    included): is compute (a loop, fusion or convolution) scheduled between start and done?"""
+    included): is compute (a loop, fusion, convolution or kernel call) scheduled between start and done?"""
     result = {}
     for comp in re.split(r"\n(?=\S[^\n]*\{\n)", hlo):
         ops = [m.groups() for m in re.finditer(r"\n\s*(?:ROOT )?%?([\w.-]+) = .*? ([\w-]+)\((.*)", comp)]
@@ -105,28 +142,58 @@ def _permutes_enclosing_compute(hlo: str) -> dict[str, bool]:
             if kind == "collective-permute-done":
                 start = re.match(r"\s*%?([\w.-]+)", args).group(1)
                 between = {k for _, k, _ in ops[start_at[start] + 1:i]}
-                result[start] = bool(between & {"while", "fusion", "convolution"})
+                result[start] = bool(between & {"while", "fusion", "convolution", "custom-call"})
     return result
 
 
-def test_ring_permutes_overlap_compute_on_tpu():
-    """Scheduled TPU HLO (libtpu ahead of time): K/V permutes run while a step's attention computes."""
+@pytest.mark.parametrize("kernel,topology,c", [("blockwise", "v5e:2x2", 4), ("auto", "v5e:2x4", 8)])
+def test_ring_permutes_overlap_compute_on_tpu(kernel, topology, c):
+    """Scheduled TPU HLO (libtpu ahead of time): K/V permutes run while a step's attention
+    computes; with ``kernel="auto"`` that attention is the splash kernel, inside the ring's loops
+    (``c = 8``, so that the backward ring stays a loop rather than being peeled)."""
     pytest.importorskip("libtpu", reason="libtpu is needed for TPU ahead-of-time compilation")
     from jax.experimental import topologies
 
-    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
-    c = 4
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
     mesh = jax_cp.make_mesh(cp_colossal=c, devices=topo.devices)
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("cp_colossal", "cp_ulysses")))
-    q = jax.ShapeDtypeStruct((1, 4096, 8, 128), BF16, sharding=spec)
-    kv = jax.ShapeDtypeStruct((1, 4096, 2, 128), BF16, sharding=spec)
+    q = jax.ShapeDtypeStruct((1, 1024 * c, 8, 128), BF16, sharding=spec)
+    kv = jax.ShapeDtypeStruct((1, 1024 * c, 2, 128), BF16, sharding=spec)
     loss = lambda q, k, v: jax_cp.dot_product_attention(
-        q, k, v, mesh=mesh, kv_exchange="ring", is_causal=True).astype(F32).sum()
+        q, k, v, mesh=mesh, kv_exchange="ring", is_causal=True, kernel=kernel).astype(F32).sum()
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
     pairs = _permutes_enclosing_compute(hlo)
-    # Forward loop: K, V, positions; backward loop: those and the two dK/dV accumulators;
-    # plus the peeled first/last steps. The backward attends the chunk at home last, so no
-    # return of dK/dV follows the last compute: every pair encloses compute (the return
-    # hop of the previous design was the one that did not).
+    # Forward loop: K, V and the chunk's mask metadata; backward loop: those and the two dK/dV
+    # accumulators; plus the peeled first/last steps. The backward attends the chunk at home
+    # last, so no return of dK/dV follows the last compute: every pair encloses compute (the
+    # return hop of the previous design was the one that did not).
     assert len(pairs) >= 3 + 5, pairs
     assert all(pairs.values()), pairs
+    kernels = _splash_calls_in_ring_loops(hlo)
+    if kernel == "auto":  # the forward kernel in the forward ring, dq and dkv in the backward ring
+        assert sorted(kernels) == [["splash_mha_dkv", "splash_mha_dq"], ["splash_mha_fwd"]], kernels
+    else:
+        assert kernels == [] and "tpu_custom_call" not in hlo, kernels
+
+
+def _splash_calls_in_ring_loops(hlo: str) -> list[list[str]]:
+    """For each while-loop body of the scheduled HLO that starts collective-permutes: the splash
+    kernels it calls (sorted; bodies without one are left out)."""
+    comps, name = {}, None
+    for line in hlo.split("\n"):
+        head = re.match(r"(?:ENTRY )?%?([\w.-]+) .*\{$", line)
+        if head and not line.startswith(" "):
+            name = head.group(1)
+            comps[name] = []
+        elif line == "}":
+            name = None
+        elif name:
+            comps[name].append(line)
+    bodies = set(re.findall(r"body=%?([\w.-]+)", hlo))
+    found = []
+    for name in bodies & comps.keys():
+        text = "\n".join(comps[name])
+        calls = sorted(set(re.findall(r"%(splash_mha_(?:fwd|dq|dkv))_[\w.]+ = ", text)))
+        if "collective-permute-start(" in text and calls:
+            found.append(calls)
+    return found

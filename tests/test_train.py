@@ -179,7 +179,7 @@ def test_global_batch_is_the_balanced_order_of_the_windows(corpus):
     assert c.num_docs == 12 and len(c.eval) > 0 and len(c.train) > 0
     windows = data_lib.Windows(c.train, 32, seed=3)
     mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, dp=2, axis_types=AxisType.Auto)
-    order = np.asarray(jax_cp.load_balance.reorder(np.arange(32), mesh, axis=0))
+    order = np.asarray(jax_cp.load_balance.positions(32, mesh))
     sharding = NamedSharding(mesh, P("dp", ("cp_colossal", "cp_ulysses")))
     got = data_lib.make_global_batch(windows, 5, 4, sharding, order=order)
     want = windows.rows(5, 4, np.arange(4))

@@ -19,10 +19,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_cp import _blockwise as bw
+from jax_cp import _splash as sp
+from jax_cp import kernels as _kernels
+from jax_cp._masks import normalize_window
 from jax_cp._mesh import COLOSSAL, seq_chunk
 from jax_cp.exchanges._base import KVExchange, Meta, register
 
-__all__ = ["Ring", "ring_attention"]
+__all__ = ["Ring", "ring_attention", "splash_ring_attention"]
 
 
 def _shift(tree, axis_name: str, c: int, step: int = 1):
@@ -30,25 +33,30 @@ def _shift(tree, axis_name: str, c: int, step: int = 1):
     return lax.ppermute(tree, axis_name, [(i, (i + step) % c) for i in range(c)])
 
 
-def _forward(q, k, v, pos, seg, axis_name, spec):
+def _loop(attend, home, axis_name):
+    """Runs ``carry = attend(carry, kv)`` over the ring's chunks, the chunk at home first."""
     c = lax.axis_size(axis_name)
-    qm = bw.Meta(pos, seg)
-
-    def attend(carry, kv):  # continues the running softmax: no second output buffer
-        return bw.forward(q, kv[0], kv[1], qm, bw.Meta(kv[2], kv[3]), spec, state=carry)
 
     def step(_, state):
         carry, kv = state
         nxt = _shift(kv, axis_name, c)  # issued first: in flight while this chunk is attended
         return attend(carry, kv), nxt
 
-    kv = (k, v, pos, seg)
     if c == 1:
-        return attend(None, kv)
-    nxt = _shift(kv, axis_name, c)
-    carry = attend(None, kv)  # step 0: the chunk at home
+        return attend(None, home)
+    nxt = _shift(home, axis_name, c)
+    carry = attend(None, home)  # step 0: the chunk at home
     carry, kv = lax.fori_loop(0, c - 2, step, (carry, nxt))  # one step at a time: O(S/c) live
     return attend(carry, kv)  # the last chunk needs no onward shift
+
+
+def _forward(q, k, v, pos, seg, axis_name, spec):
+    qm = bw.Meta(pos, seg)
+
+    def attend(carry, kv):  # continues the running softmax: no second output buffer
+        return bw.forward(q, kv[0], kv[1], qm, bw.Meta(kv[2], kv[3]), spec, state=carry)
+
+    return _loop(attend, (k, v, pos, seg), axis_name)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -114,6 +122,58 @@ def _backward_ring(grads, home, do, axis_name, c):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+# --- The same ring with the TPU splash kernel in every step ------------------------------------
+# The chunk is prepared once (head-major, padded, keys sorted: ``_splash.ring_prepare``) and
+# travels prepared; each step's splash call returns its log-sum-exp, merged across steps; the
+# backward runs splash's backward kernels per chunk with the merged output and log-sum-exp.
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _splash_ring(qx, qm, home, axis_name, step):
+    return _splash_forward(qx, qm, home, axis_name, step)[0].astype(qx.dtype)
+
+
+def _splash_forward(qx, qm, home, axis_name, step):
+    return _loop(lambda carry, kv: sp.ring_forward_step(step, qx, qm, kv, carry), home, axis_name)
+
+
+def _splash_ring_fwd(qx, qm, home, axis_name, step):
+    o, lse = _splash_forward(qx, qm, home, axis_name, step)
+    o = o.astype(qx.dtype)
+    return o, (qx, qm, home, o, lse)
+
+
+def _splash_ring_bwd(axis_name, step, res, do):
+    qx, qm, home, o, lse = res
+    c = lax.axis_size(axis_name)
+
+    def grads(kv, dq=None):
+        return sp.ring_backward_step(step, qx, qm, kv, o, lse, do, dq)
+
+    if c == 1:
+        dq, dk, dv = grads(home)
+    else:
+        dq, (dk, dv) = _backward_ring(grads, home, do, axis_name, c)
+    k, v = home[0], home[1]
+    none = (None,) * (len(home) - 2)
+    return dq.astype(qx.dtype), jax.tree.map(lambda _: None, qm), (dk.astype(k.dtype), dv.astype(v.dtype), *none)
+
+
+_splash_ring.defvjp(_splash_ring_fwd, _splash_ring_bwd)
+
+
+def splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_name: str, is_causal=False,
+                          scale=None, interpret: bool = False):
+    """As :func:`ring_attention` (no window) with the splash kernel in every step.
+
+    ``interpret=True`` runs the Pallas kernels in interpret mode (any backend; for tests)."""
+    T = q_BTHd.shape[1]
+    qx, qm, home, step = sp.ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, scale=scale,
+                                         is_causal=is_causal, interpret=interpret)
+    o = _splash_ring(qx, qm, home, axis_name, step)
+    return jnp.swapaxes(o[:, :, :T], 1, 2)
+
+
 def ring_attention(
     q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_name: str, is_causal=False, local_window_size=None,
     scale=None, block_q: int = 512, block_kv: int = 512,
@@ -139,11 +199,24 @@ class Ring(KVExchange):
     ties_chunks = False  # measured worse with the tie (v5e (2,4,2) 4 chunks 1.00 -> 0.77)
 
     def check_kernel(self, kernel: str) -> None:
-        if kernel not in ("auto", "blockwise"):
-            raise ValueError(f"kernel={kernel!r} cannot run kv_exchange='ring', whose steps merge the blockwise "
-                             "kernel's log-sum-exps; use kernel='auto' or 'blockwise' (or kv_exchange='all_gather').")
+        if kernel not in ("auto", "blockwise", "splash"):
+            raise ValueError(f"kernel={kernel!r} cannot run kv_exchange='ring', whose steps merge log-sum-exps "
+                             "(the blockwise and splash kernels return them); use kernel='auto', 'blockwise' or "
+                             "'splash' (or kv_exchange='all_gather').")
+
+    def kernel(self, spec, q_BTHd, has_segments: bool) -> str:
+        """The kernel each ring step runs: ``auto`` is splash on TPU when the mask is expressible
+        there (no window), blockwise otherwise; an explicit choice that cannot serve raises."""
+        chosen = _kernels.select_kernel(spec.kernel, platform=_kernels.target_platform(), is_causal=spec.is_causal,
+                                        window=normalize_window(spec.local_window_size), has_segments=has_segments,
+                                        dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1])
+        return "splash" if chosen == "splash" else "blockwise"  # auto on GPU (cuDNN) rings blockwise
 
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec):
         pos, seg = seq_chunk(meta.pos, (COLOSSAL,)), seq_chunk(meta.seg, (COLOSSAL,))
+        if self.kernel(spec, q_BTHd, seg is not None) == "splash":
+            return splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL,
+                                         is_causal=spec.is_causal, scale=spec.scale,
+                                         interpret=_kernels.target_platform() != "tpu")
         return ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL, is_causal=spec.is_causal,
                               local_window_size=spec.local_window_size, scale=spec.scale)
