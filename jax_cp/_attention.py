@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_cp._defaults import AUTO
-from jax_cp._body import GivenQKV, attention_shard, check_dtype, placed_metadata
+from jax_cp._body import GivenQKV, attention_shard, check_dtype, placed_metadata, shard_call
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place
 from jax_cp._spec import AttentionSpec, check_seq_batch
 
@@ -87,5 +87,5 @@ def dot_product_attention(
         key, value = (jnp.repeat(a, rep, axis=2) for a in (key, value))
     args = [place(a, mesh, X_SPEC) for a in (query, key, value)] + meta
     in_specs = [X_SPEC] * 3 + meta_specs
-    out = jax.shard_map(partial(_shard_fn, spec=spec), mesh=mesh, in_specs=tuple(in_specs), out_specs=X_SPEC)(*args)
+    out = shard_call(partial(_shard_fn, spec=spec), mesh, tuple(in_specs), X_SPEC, args)
     return jnp.swapaxes(out, 1, 2) if layout == "BNSD" else out

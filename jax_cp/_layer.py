@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_cp._body import attention_shard, check_dtype, placed_metadata
+from jax_cp._body import attention_shard, check_dtype, placed_metadata, shard_call
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place
 from jax_cp._projection import LinearProjections
 from jax_cp._spec import AttentionSpec, Layout, check_seq_batch
@@ -120,4 +120,4 @@ def layer_forward(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None,
     args = [params, place(x_BSD, mesh, X_SPEC)] + meta
     in_specs = [specs, X_SPEC] + meta_specs
     fn = partial(_layer_shard, spec=spec, layout=layout, dtype=dtype)
-    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=X_SPEC)(*args)
+    return shard_call(fn, mesh, tuple(in_specs), X_SPEC, args)

@@ -199,6 +199,30 @@ def test_eager_grad_and_slicing_like_jax_nn():
     assert_close(jax.jit(lambda o, i: o[:, i])(out, 3), want[:, 3], jnp.float32)
 
 
+def test_eager_calls_run_one_compiled_program_per_layer():
+    """Outside ``jit`` (a plain call, Linen's ``init``, ``jax.grad`` of concrete values) the sharded
+    body runs as one jitted program, cached per layer, not primitive by primitive; under ``jit``
+    it is inlined (no cached program is added)."""
+    from jax_cp._body import _EAGER_PROGRAMS
+
+    mesh = jax_cp.make_mesh(**CUT)
+    q = jax.random.normal(jax.random.key(3), (B, 32, 4, 8))
+    f = lambda q: jax_cp.dot_product_attention(q, q, q, mesh=mesh, is_causal=True, scale=0.3)
+    before = len(_EAGER_PROGRAMS)
+    eager = f(q)
+    assert len(_EAGER_PROGRAMS) == before + 1
+    assert_close(f(q * 1.0), eager, jnp.float32)  # same layer, same program
+    assert len(_EAGER_PROGRAMS) == before + 1
+    jitted = jax.jit(f)(q)
+    assert len(_EAGER_PROGRAMS) == before + 1
+    assert_close(eager, jitted, jnp.float32)
+    g = jax.grad(lambda q: f(q).sum())(q)  # grad of concrete values: the forward program is jitted too
+    assert_close(g, jax.jit(jax.grad(lambda q: f(q).sum()))(q), jnp.float32)
+    model = jax_cp.linen.CPAttention(4, 16, mesh=mesh, is_causal=True)
+    variables = model.init(jax.random.key(0), jnp.ones((B, 32, 16)))  # eager init: one program for the layer
+    assert len(_EAGER_PROGRAMS) == before + 2  # (the grad reused the forward's program)
+
+
 # ---- Explicit meshes: supported, with the recipe the README gives ---------------------------------
 
 

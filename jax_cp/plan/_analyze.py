@@ -8,9 +8,11 @@ Letters: B batch, S sequence, D model width, H query heads, K kv heads, d head d
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import glob
 import os
+import re
 import tempfile
 import time
 
@@ -107,7 +109,15 @@ def _analyze_compiled(fn, args, label, mesh, chip, budget, flags, donate_argnums
         elapsed = time.perf_counter() - t0
         text = _scheduled_text(compiled, dump)
     schedule = analyze_schedule(text, mesh_shape=tuple(mesh.shape.values()), axis_names=tuple(mesh.axis_names))
-    return analysis_of(label, compiled, schedule, chip, budget, elapsed)
+    return dataclasses.replace(analysis_of(label, compiled, schedule, chip, budget, elapsed),
+                               kernel_calls=kernel_calls(text))
+
+
+def kernel_calls(hlo_text: str) -> tuple[tuple[str, int], ...]:
+    """``((kernel, count), ...)`` of the splash attention kernels called in a scheduled HLO text
+    (forward, dq and dK/dV; loop bodies count once)."""
+    names = re.findall(r"%(splash_mha_(?:fwd|dq|dkv))\w*(?:\.\d+)? = [^\n]*custom-call\(", hlo_text)
+    return tuple(sorted(collections.Counter(names).items()))
 
 
 def _hbm_error(e: Exception, label: str, chip) -> Exception:

@@ -65,6 +65,14 @@ class Analysis:
     schedule: Schedule
     estimate: Estimate
     compile_s: float
+    kernel_calls: tuple[tuple[str, int], ...] = ()  # Pallas attention kernels in the scheduled program
+
+    @property
+    def kernel(self) -> str:
+        """The attention kernel the compiled program runs, read from its scheduled HLO."""
+        if not self.kernel_calls:
+            return "plain JAX (blockwise)"
+        return "splash (" + ", ".join(f"{name} x{n}" for name, n in self.kernel_calls) + ")"
 
     def overlap(self, phase: str | None = None) -> float | None:
         """Share of context-parallel collective bytes with compute scheduled inside (fwd/bwd/all)."""
@@ -143,6 +151,7 @@ def format_report(r: Report) -> str:
     ]
     if r.defaults:
         lines.append(f"auto (kv_exchange, overlap_chunks, fused_qkv_chunks): {r.defaults}")
+    lines.append(f"kernel (kernel={L.kernel}): {a.kernel} in the scheduled program")
     lines.append("")
     if r.reasons:
         lines += ["strategy=auto:", *(f"  {x}" for x in r.reasons), ""]
@@ -165,6 +174,7 @@ def format_programs(programs: list[Analysis], grouped: bool = False) -> str:
         ("memory: temporaries", lambda p: _b(p.memory.temporaries)),
         ("memory: total (peak)", lambda p: _b(p.memory.total)),
         (f"fits HBM budget {_b(a.memory.budget)}", lambda p: "yes" if p.memory.fits else "NO"),
+        ("kernel that ran", lambda p: p.kernel.split(" (")[0]),
         ("FLOPs per device", lambda p: f"{p.flops:.3e}"),
         ("CP collective bytes fwd", lambda p: _b(sum(c.bytes for c in p.schedule.select("fwd")))),
         ("CP collective bytes bwd", lambda p: _b(sum(c.bytes for c in p.schedule.select("bwd")))),
