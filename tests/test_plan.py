@@ -3,6 +3,7 @@
 TPU programs are compiled ahead of time with the libtpu wheel's compiler
 (``v5e:2x4``, a tiny layer); no TPU is needed.
 """
+import dataclasses
 import os
 import subprocess
 import sys
@@ -439,13 +440,35 @@ def test_auto_strategy_chooses_and_explains():
         plan.analyze(strategy="auto", candidates=1, memory_budget=1024, baseline=False, **SMALL)
 
 
+def test_layer_flops_count_the_mask_and_the_recompute():
+    """Shape-counted FLOPs (the compiler counts loop bodies once and splash not at all)."""
+    from jax_cp.plan._auto import layer_flops
+
+    shape = plan.LayerShape(batch=2, seq_len=1024, d_model=256, num_heads=8, num_kv_heads=8, head_dim=32,
+                            is_causal=False, overlap_chunks=1, fused_qkv_chunks=0, kv_exchange="ring")
+    c, u, t, dp = 4, 2, 1, 1
+    tokens = 2 * 1024 / (c * u)
+    proj = 2 * tokens * 256 * (8 + 16) * 32 + 2 * tokens * 8 * 32 * 256
+    attn = 4 * 2 * (8 / u) * 32 * (1024 / c) * 1024  # every pair of the colossal chunk's queries
+    model, executed = layer_flops(shape, c, u, t, dp, splash=True)
+    assert model == pytest.approx(3 * (proj + attn))
+    assert executed == pytest.approx(3 * proj + attn * 4.5)  # splash's two backward kernels: 7 matmuls / 2
+    assert layer_flops(shape, c, u, t, dp, splash=False)[1] == pytest.approx(3 * proj + attn * 3.5)
+    causal = dataclasses.replace(shape, is_causal=True)
+    T = 1024 / c
+    busiest = T * (1024 - T) + T * (T + 1) / 2  # the last colossal chunk, natural order
+    assert layer_flops(causal, c, u, t, dp, splash=True)[0] == pytest.approx(
+        3 * (proj + attn * busiest / (T * 1024)))
+
+
 def test_cli_prints_the_report():
     cmd = [sys.executable, "-m", "jax_cp.plan", "--topology", TOPO, "--model", "tiny", "--seq-len", "512",
            "--cp-ulysses", "4", "--tp", "2", "--fused-qkv-chunks", "1"]
     out = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     for needle in ("jax_cp plan: v5e:2x4", "overlap fraction fwd", "ESTIMATED step time", "all-to-all",
-                   "fused_qkv_chunks=1"):
+                   "fused_qkv_chunks=1", "kernel (kernel=auto): splash (splash_mha_dkv x", "kernel that ran",
+                   "FLOPs per device (shapes, model)", "est. MFU (model FLOPs / step)"):
         assert needle in out.stdout
     bad = subprocess.run([*cmd[:7], "--seq-len", "512", "--cp-ulysses", "3"],
                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)

@@ -154,6 +154,9 @@ def test_ring_permutes_overlap_compute_on_tpu(kernel, topology, c):
     pytest.importorskip("libtpu", reason="libtpu is needed for TPU ahead-of-time compilation")
     from jax.experimental import topologies
 
+    from jax_cp.plan._analyze import kernel_calls as plan_kernel_calls
+    from jax_cp.plan._hlo import analyze_schedule
+
     topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
     mesh = jax_cp.make_mesh(cp_colossal=c, devices=topo.devices)
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("cp_colossal", "cp_ulysses")))
@@ -170,10 +173,16 @@ def test_ring_permutes_overlap_compute_on_tpu(kernel, topology, c):
     assert len(pairs) >= 3 + 5, pairs
     assert all(pairs.values()), pairs
     kernels = _splash_calls_in_ring_loops(hlo)
+    calls = dict(plan_kernel_calls(hlo))  # what the planner's report names as the kernel that ran
+    schedule = analyze_schedule(hlo, mesh_shape=tuple(mesh.shape.values()), axis_names=tuple(mesh.axis_names))
+    runs = {(x.phase, x.iterations) for x in schedule.collectives if x.in_loop and x.kind == "collective-permute"}
+    # The ring loops' trip counts, read from the HLO (a backward loop of one trip, c = 4, is peeled).
+    assert runs == {("fwd", c - 2)} | ({("bwd", c - 3)} if c > 4 else set()), runs
     if kernel == "auto":  # the forward kernel in the forward ring, dq and dkv in the backward ring
         assert sorted(kernels) == [["splash_mha_dkv", "splash_mha_dq"], ["splash_mha_fwd"]], kernels
+        assert set(calls) == {"splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"}, calls
     else:
-        assert kernels == [] and "tpu_custom_call" not in hlo, kernels
+        assert kernels == [] and "tpu_custom_call" not in hlo and calls == {}, kernels
 
 
 def _splash_calls_in_ring_loops(hlo: str) -> list[list[str]]:

@@ -33,8 +33,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fused-qkv-chunks", type=int_or_auto, default="auto",
                    help="leading head chunks whose Q, K and V share one cp_ulysses all-to-all "
                         "(CPAttention(fused_qkv_chunks=...))")
-    p.add_argument("--kernel", default="blockwise",
-                   help="local attention kernel; 'auto' = splash on TPU, slow to compile at long S")
+    p.add_argument("--kernel", default="auto",
+                   help="local attention kernel; 'auto' (what CPAttention runs: splash on TPU, blockwise for "
+                        "windows) or one of jax_cp.kernels.KERNELS; the report names the kernel that ran")
     p.add_argument("--no-causal", action="store_true", help="full (bidirectional) attention")
     p.add_argument("--dtype", default="bfloat16", help="activation/compute dtype")
     p.add_argument("--param-dtype", default="float32")

@@ -197,10 +197,19 @@ def analyze_layout(topology: str, shape: LayerShape, c: int, u: int, t: int, *, 
     mesh = topology_mesh(topology, cp_colossal=c, cp_ulysses=u, tp=t)
     shape, why = shape.resolved(mesh)  # the knobs CPAttention's "auto" picks on this chip and layout
     label = f"CPAttention ({c},{u},{t})"
-    analysis = _compile(cp_layer, label, shape, mesh, chip, budget, flags)
-    base = _compile(naive_layer, "naive fused QKV", shape, mesh, chip, budget, flags) if baseline else None
+    dp = len(devices) // (c * u * t)
+    analysis = _with_shape_flops(_compile(cp_layer, label, shape, mesh, chip, budget, flags), shape, c, u, t, dp, chip)
+    base = None
+    if baseline:
+        base = _with_shape_flops(_compile(naive_layer, "naive fused QKV", shape, mesh, chip, budget, flags),
+                                 shape, c, u, t, dp, chip)
     return Report(topology=topology, chip=chip, mesh_shape=dict(mesh.shape), layer=shape, flags=" ".join(flags),
                   analysis=analysis, baseline=base, defaults=why.why if why else "")
+
+
+def _with_shape_flops(a: Analysis, shape: LayerShape, c: int, u: int, t: int, dp: int, chip) -> Analysis:
+    model, executed = _auto.layer_flops(shape, c, u, t, dp, splash=bool(a.kernel_calls))
+    return a.with_shape_flops(model, executed, chip)
 
 
 def analyze(
@@ -208,7 +217,7 @@ def analyze(
     strategy: str = "manual", cp_colossal: int = 1, cp_ulysses: int = 1, tp: int = 1,
     kv_exchange: str | exchanges.KVExchange = "auto", overlap_chunks: int | str = "auto",
     fused_qkv_chunks: int | str = "auto",
-    kernel: str = "blockwise", is_causal: bool = True,
+    kernel: str = "auto", is_causal: bool = True,
     dtype: str = "bfloat16", param_dtype: str = "float32", memory_budget: int | None = None,
     baseline: bool = True, candidates: int = 2, xla_flags: tuple[str, ...] | None = None,
 ) -> Report:
@@ -219,10 +228,9 @@ def analyze(
     degrees, the K/V exchange, ``overlap_chunks`` and ``fused_qkv_chunks``
     itself (the given ones are ignored): see ``Report.reasons``.
     ``memory_budget`` is bytes per device (default: the chip's HBM). ``baseline=True`` also compiles the
-    naive fused-QKV layer for comparison. ``kernel`` defaults to the portable
-    blockwise kernel: TPU splash (what ``kernel="auto"`` picks on TPU) takes
-    minutes to compile at long sequences; pass ``kernel="auto"`` to plan with
-    it. ``xla_flags`` (``"--name=value"`` strings) are passed to each compile;
+    naive fused-QKV layer for comparison. ``kernel`` defaults to ``"auto"``, what
+    ``CPAttention`` runs on the chip (splash on TPU unless a window rules it out);
+    the report names the kernel found in the scheduled program. ``xla_flags`` (``"--name=value"`` strings) are passed to each compile;
     ``None`` means ``recommended_xla_flags("tpu", chip=...)`` for the chip.
     """
     if strategy not in STRATEGIES:
@@ -306,7 +314,9 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
     base = None
     if baseline:
         mesh = topology_mesh(topology, cp_colossal=m["cp_colossal"], cp_ulysses=m["cp_ulysses"], tp=m["tp"])
-        base = _compile(naive_layer, "naive fused QKV", s, mesh, chip, budget, _flags_for(chip, xla_flags))
+        base = _with_shape_flops(_compile(naive_layer, "naive fused QKV", s, mesh, chip, budget,
+                                          _flags_for(chip, xla_flags)),
+                                 s, m["cp_colossal"], m["cp_ulysses"], m["tp"], m["dp"], chip)
     return dataclasses.replace(best, baseline=base, reasons=tuple(reasons))
 
 

@@ -63,7 +63,8 @@ class Collective:
     compute_inside: tuple[str, ...]  # compute ops scheduled between start and done
     op_name: str = ""
     feeds_compute: bool = True  # some matmul/kernel consumes its result (directly or not)
-    in_loop: bool = False  # scheduled in a loop body: bytes are per iteration (trip counts are not in the HLO)
+    in_loop: bool = False  # scheduled in a loop body: bytes are per iteration
+    iterations: int = 1  # how often it runs: the trip counts of the loops around it (1 when not readable)
 
     def __post_init__(self):
         if self.kind not in COLLECTIVE_KINDS:
@@ -155,6 +156,58 @@ class _Module:
                 if found:
                     return found
         return None
+
+    def iterations(self) -> dict[str, int]:
+        """``{computation: runs}`` for while-loop bodies: the product of the trip counts of the
+        loops around it, each read from its condition (``counter < constant``, counter starting
+        at a constant; ``fori_loop``'s form). Bodies whose count is not readable run once."""
+        trips, parent = {}, {}
+        for comp, instrs in self.comps.items():
+            for i in instrs:
+                if i.opcode != "while":
+                    continue
+                body = re.search(r"body=%?([\w.\-]+)", i.attrs)
+                cond = re.search(r"condition=%?([\w.\-]+)", i.attrs)
+                if body:
+                    parent[body.group(1)] = comp
+                    trips[body.group(1)] = self._trip_count(cond.group(1) if cond else "", comp, i)
+        runs: dict[str, int] = {}
+
+        def total(comp: str, depth: int = 0) -> int:
+            if comp not in trips or depth > 16:
+                return 1
+            if comp not in runs:
+                runs[comp] = (trips[comp] or 1) * total(parent[comp], depth + 1)
+            return runs[comp]
+
+        return {body: total(body) for body in trips}
+
+    def _trip_count(self, cond: str, comp: str, loop: Instr) -> int | None:
+        names = self.by_name.get(cond, {})
+        root = next((i for i in reversed(self.comps.get(cond, ())) if i.opcode == "compare"), None)
+        if root is None or "direction=LT" not in root.attrs or len(root.operands) != 2:
+            return None
+        counter, bound = (names.get(o) for o in root.operands)
+        if counter is None or bound is None or bound.opcode != "constant" or counter.opcode != "get-tuple-element":
+            return None
+        index = re.search(r"index=(\d+)", counter.attrs)
+        try:
+            n = int(bound.operands[0])
+        except (IndexError, ValueError):
+            return None
+        start = self._tuple_element_constant(comp, loop.operands[0] if loop.operands else "",
+                                             int(index.group(1)) if index else 0)
+        return max(n - (start or 0), 0)
+
+    def _tuple_element_constant(self, comp: str, name: str, k: int) -> int | None:
+        i = self.by_name.get(comp, {}).get(name)
+        if i is None or i.opcode != "tuple" or k >= len(i.operands):
+            return None
+        e = self.by_name[comp].get(i.operands[k])
+        try:
+            return int(e.operands[0]) if e is not None and e.opcode == "constant" else None
+        except (IndexError, ValueError):
+            return None
 
     def scheduled(self) -> list[str]:
         """Computations with their own schedule: everything not a fusion/async/reducer body."""
@@ -307,10 +360,12 @@ def analyze_schedule(
     if len(mesh_shape) != len(axis_names):
         raise ValueError(f"mesh_shape={tuple(mesh_shape)} and axis_names={tuple(axis_names)} differ in length.")
     mod = _Module(text)
+    runs = mod.iterations()
     out: list[Collective] = []
     for comp in mod.scheduled():
         found = _collectives_of(mod, comp, mesh_shape, axis_names)
-        out += found if comp == mod.entry else [dataclasses.replace(c, in_loop=True) for c in found]
+        out += found if comp == mod.entry else [
+            dataclasses.replace(c, in_loop=True, iterations=runs.get(comp, 1)) for c in found]
     return Schedule(collectives=tuple(out), cp_axes=tuple(cp_axes))
 
 

@@ -66,6 +66,23 @@ class Analysis:
     estimate: Estimate
     compile_s: float
     kernel_calls: tuple[tuple[str, int], ...] = ()  # Pallas attention kernels in the scheduled program
+    model_flops: float | None = None  # counted from the shapes (plan._auto.layer_flops), not by the compiler
+    executed_flops: float | None = None  # the same plus the kernels' backward recomputation
+    peak_flops: float | None = None  # the chip's, for the MFU estimate
+
+    def with_shape_flops(self, model: float, executed: float, chip: Chip) -> "Analysis":
+        """This analysis with FLOPs counted from the shapes; compute time is the larger count over
+        the peak (the compiler counts a loop body once and gives Pallas kernels no FLOPs)."""
+        estimate = dataclasses.replace(self.estimate, compute_s=max(self.flops, executed) / chip.device_flops)
+        return dataclasses.replace(self, model_flops=model, executed_flops=executed, estimate=estimate,
+                                   peak_flops=chip.device_flops)
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs over (estimated step time x peak): the roofline-bound MFU. An estimate."""
+        if not self.model_flops or not self.peak_flops or not self.estimate.step_s:
+            return None
+        return self.model_flops / (self.estimate.step_s * self.peak_flops)
 
     @property
     def kernel(self) -> str:
@@ -94,7 +111,7 @@ def analysis_of(label: str, compiled, schedule: Schedule, chip: Chip, budget: in
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-    comm = [c.wire_bytes / chip.device_ici_bandwidth for c in schedule.collectives]
+    comm = [c.wire_bytes * c.iterations / chip.device_ici_bandwidth for c in schedule.collectives]
     exposed = [t for t, c in zip(comm, schedule.collectives) if not c.overlapped]
     estimate = Estimate(
         compute_s=flops / chip.device_flops, memory_s=accessed / chip.device_hbm_bandwidth,
@@ -175,7 +192,9 @@ def format_programs(programs: list[Analysis], grouped: bool = False) -> str:
         ("memory: total (peak)", lambda p: _b(p.memory.total)),
         (f"fits HBM budget {_b(a.memory.budget)}", lambda p: "yes" if p.memory.fits else "NO"),
         ("kernel that ran", lambda p: p.kernel.split(" (")[0]),
-        ("FLOPs per device", lambda p: f"{p.flops:.3e}"),
+        ("FLOPs per device (compiler)", lambda p: f"{p.flops:.3e}"),
+        ("FLOPs per device (shapes, model)", lambda p: "-" if p.model_flops is None else f"{p.model_flops:.3e}"),
+        ("FLOPs executed (with recompute)", lambda p: "-" if p.executed_flops is None else f"{p.executed_flops:.3e}"),
         ("CP collective bytes fwd", lambda p: _b(sum(c.bytes for c in p.schedule.select("fwd")))),
         ("CP collective bytes bwd", lambda p: _b(sum(c.bytes for c in p.schedule.select("bwd")))),
         ("overlap fraction fwd", lambda p: _f(p.overlap("fwd"))),
@@ -186,12 +205,14 @@ def format_programs(programs: list[Analysis], grouped: bool = False) -> str:
         ("est. communication (all)", lambda p: _ms(p.estimate.comm_s)),
         ("est. communication exposed", lambda p: _ms(p.estimate.exposed_comm_s)),
         ("ESTIMATED step time", lambda p: _ms(p.estimate.step_s)),
+        ("est. MFU (model FLOPs / step)", lambda p: "-" if p.mfu is None else f"{p.mfu:.2f}"),
         ("compile time", lambda p: f"{p.compile_s:.1f} s"),
     ]
     lines.append(head)
     lines += [f"{name:34s}" + "".join(f"{fn(p):>22s}" for p in programs) for name, fn in rows]
     lines += ["", f"collectives of {a.label} ({'grouped, ' if grouped else ''}schedule order; * = counted in the "
-              "CP overlap fraction; loop = in a loop body, bytes per iteration):"]
+              "CP overlap fraction; loop = in a loop body, bytes per iteration, xN = runs N times, counted N times in "
+              "the time estimates):"]
     lines += _grouped_collectives(a) if grouped else _listed_collectives(a)
     lines += _FOOTER
     return "\n".join(lines)
@@ -209,7 +230,7 @@ def _listed_collectives(a: Analysis) -> list[str]:
         lines.append(
             f"  {mark} {c.phase:6s}{c.kind:20s}{','.join(c.axes) or '-':26s}{_b(c.bytes):>12s}  "
             f"{'yes' if c.is_async else 'no':6s}{'yes' if c.overlapped else 'no':11s}{c.name}"
-            + (" (loop)" if c.in_loop else "")
+            + ((f" (loop x{c.iterations})" if c.iterations > 1 else " (loop)") if c.in_loop else "")
         )
     return lines
 
