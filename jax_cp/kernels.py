@@ -15,7 +15,7 @@ from jax_cp._masks import Window, normalize_window, visible
 from jax_cp._splash import splash_attention, splash_unsupported_reason
 
 __all__ = [
-    "KERNELS", "blockwise_attention", "check_kernel", "cudnn_attention", "dense_attention",
+    "KERNELS", "blockwise_attention", "check_kernel", "cudnn_attention", "dense_attention", "describe",
     "local_attention", "select_kernel", "splash_attention", "target_platform",
 ]
 
@@ -87,6 +87,37 @@ def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window
         if cudnn_why:
             raise ValueError(f"kernel='cudnn' cannot serve this call: {cudnn_why}; use kernel='blockwise' or 'auto'.")
     return kernel
+
+
+def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange: str = "all_gather",
+             is_causal: bool = False, local_window_size: Window = None, has_segments: bool = False,
+             dtype=jnp.bfloat16, head_dim: int = 128) -> str:
+    """One line: the kernel a call runs on ``platform`` (default: the default backend) and why.
+
+    ``"auto"`` never chooses silently: e.g. ``"splash (auto on tpu)"``, or
+    ``"blockwise (auto on tpu: local_window_size=(128, 0) needs two bounds ...)"``.
+    An explicit kernel that cannot serve the call raises its ``ValueError``.
+    """
+    platform = platform or target_platform()
+    window = normalize_window(local_window_size)
+    ring = str(kv_exchange) == "ring"
+    if ring and kernel not in ("auto", "blockwise", "splash"):
+        from jax_cp import exchanges
+
+        exchanges.resolve("ring").check_kernel(kernel)  # raises its ValueError
+    chosen = select_kernel(kernel, platform=platform, is_causal=is_causal, window=window,
+                           has_segments=has_segments, dtype=dtype, head_dim=head_dim)
+    if kernel != "auto":
+        return f"{chosen} (explicit)"
+    if ring and chosen == "cudnn":
+        return (f"blockwise (auto on {platform} with kv_exchange='ring': the ring's steps merge log-sum-exps, "
+                "which cuDNN does not return)")
+    if chosen == "blockwise":
+        why = {"tpu": splash_unsupported_reason(window=window),
+               "gpu": cudnn_unsupported_reason(is_causal=is_causal, window=window, has_segments=has_segments,
+                                               dtype=dtype, head_dim=head_dim)}.get(platform)
+        return f"blockwise (auto on {platform}" + (f": {why})" if why else ": the portable kernel)")
+    return f"{chosen} (auto on {platform})"
 
 
 def local_attention(

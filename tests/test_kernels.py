@@ -208,3 +208,19 @@ def test_splash_compiles_for_tpu():
 
     assert compiled(is_causal=True).count("tpu_custom_call") >= 3  # splash forward, dq, dkv
     assert "tpu_custom_call" not in compiled(is_causal=True, local_window_size=(128, 0))
+
+
+def test_describe_says_what_auto_chose_and_why():
+    assert kernels.describe(platform="tpu", kv_exchange="ring", is_causal=True) == "splash (auto on tpu)"
+    assert kernels.describe(platform="tpu", is_causal=True, local_window_size=(128, 0)).startswith(
+        "blockwise (auto on tpu: local_window_size=(128, 0) needs two bounds per query")
+    assert kernels.describe(platform="gpu", kv_exchange="ring") == (
+        "blockwise (auto on gpu with kv_exchange='ring': the ring's steps merge log-sum-exps, "
+        "which cuDNN does not return)")
+    assert kernels.describe(platform="gpu") == "cudnn (auto on gpu)"
+    assert kernels.describe(platform="cpu") == "blockwise (auto on cpu: the portable kernel)"
+    assert kernels.describe(kernel="splash", platform="tpu") == "splash (explicit)"
+    with pytest.raises(ValueError, match=r"kernel='xla' cannot run kv_exchange='ring'"):
+        kernels.describe(kernel="xla", kv_exchange="ring")
+    with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this mask: local_window_size=\(4, 0\)"):
+        kernels.describe(kernel="splash", platform="tpu", local_window_size=(4, 0))

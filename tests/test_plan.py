@@ -449,16 +449,20 @@ def test_layer_flops_count_the_mask_and_the_recompute():
     c, u, t, dp = 4, 2, 1, 1
     tokens = 2 * 1024 / (c * u)
     proj = 2 * tokens * 256 * (8 + 16) * 32 + 2 * tokens * 8 * 32 * 256
-    attn = 4 * 2 * (8 / u) * 32 * (1024 / c) * 1024  # every pair of the colossal chunk's queries
-    model, executed = layer_flops(shape, c, u, t, dp, splash=True)
-    assert model == pytest.approx(3 * (proj + attn))
-    assert executed == pytest.approx(3 * proj + attn * 4.5)  # splash's two backward kernels: 7 matmuls / 2
-    assert layer_flops(shape, c, u, t, dp, splash=False)[1] == pytest.approx(3 * proj + attn * 3.5)
-    causal = dataclasses.replace(shape, is_causal=True)
+    per_pair = 4 * 2 * (8 / u) * 32
     T = 1024 / c
+    model, executed = layer_flops(shape, c, u, t, dp, splash=True)
+    assert model == pytest.approx(3 * (proj + per_pair * T * 1024))  # every pair of the chunk's queries
+    assert executed == pytest.approx(3 * proj + per_pair * T * 1024 * 4.5)  # splash's backward: 7 matmuls / 2
+    assert layer_flops(shape, c, u, t, dp, splash=False)[1] == pytest.approx(3 * proj + per_pair * T * 1024 * 3.5)
+    causal = dataclasses.replace(shape, is_causal=True)
+    mean = 1024 * 1025 / 2 / c
     busiest = T * (1024 - T) + T * (T + 1) / 2  # the last colossal chunk, natural order
-    assert layer_flops(causal, c, u, t, dp, splash=True)[0] == pytest.approx(
-        3 * (proj + attn * busiest / (T * 1024)))
+    model, executed = layer_flops(causal, c, u, t, dp, splash=True)
+    assert model == pytest.approx(3 * (proj + per_pair * mean))  # useful work, spread evenly: MFU's numerator
+    assert executed == pytest.approx(3 * proj + per_pair * busiest * 4.5)
+    assert layer_flops(causal, c, u, t, dp, splash=True, balanced=True)[1] == pytest.approx(
+        3 * proj + per_pair * mean * 4.5)
 
 
 def test_cli_prints_the_report():
@@ -512,3 +516,17 @@ def test_out_of_hbm_is_a_clear_error():
     with pytest.raises(ValueError, match=r"too big does not fit one TPU v5 lite device \(16 GiB HBM\); the TPU "
                                          r"compiler says: .*Ran out of memory on HBM.* Spread it further"):
         plan.analyze_program(lambda x: jnp.cumsum(x) + x[::-1], (x,), topology=TOPO, mesh=mesh, label="too big")
+
+
+def test_auto_says_why_when_the_naive_baseline_estimates_faster():
+    from types import SimpleNamespace
+
+    from jax_cp.plan._analyze import _baseline_wins
+    from jax_cp.plan._report import Estimate
+
+    chosen = SimpleNamespace(estimate=Estimate(compute_s=1e-3, memory_s=3e-3, comm_s=1e-3, exposed_comm_s=0.0))
+    naive = SimpleNamespace(estimate=Estimate(compute_s=1e-3, memory_s=2e-3, comm_s=1e-3, exposed_comm_s=0.5e-3))
+    why = _baseline_wins(chosen, naive)
+    assert why.startswith("note: the naive baseline's estimate (2.500 ms) beats the chosen layout's (3.000 ms); "
+                          "the largest difference is HBM traffic (+1.000 ms")
+    assert "exposed communication -0.500 ms" in why

@@ -37,6 +37,8 @@ def parser() -> argparse.ArgumentParser:
                    help="local attention kernel; 'auto' (what CPAttention runs: splash on TPU, blockwise for "
                         "windows) or one of jax_cp.kernels.KERNELS; the report names the kernel that ran")
     p.add_argument("--no-causal", action="store_true", help="full (bidirectional) attention")
+    p.add_argument("--load-balanced", action="store_true",
+                   help="count causal work as jax_cp.load_balance spreads it (FLOPs and MFU only)")
     p.add_argument("--dtype", default="bfloat16", help="activation/compute dtype")
     p.add_argument("--param-dtype", default="float32")
     p.add_argument("--memory-budget-gib", type=float, default=None, help="per device (default: the chip's HBM)")
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
             topology=args.topology, model=args.model, seq_len=args.seq_len, batch=batch, strategy=args.strategy,
             cp_colossal=args.cp_colossal, cp_ulysses=args.cp_ulysses, tp=args.tp, kv_exchange=args.kv_exchange,
             overlap_chunks=args.overlap_chunks, fused_qkv_chunks=args.fused_qkv_chunks, kernel=args.kernel,
-            is_causal=not args.no_causal,
+            is_causal=not args.no_causal, load_balanced=args.load_balanced,
             dtype=args.dtype, param_dtype=args.param_dtype, memory_budget=budget, baseline=not args.no_baseline,
             candidates=args.candidates, xla_flags=None if args.xla_flags is None else tuple(args.xla_flags.split()),
         )

@@ -186,7 +186,7 @@ def _flags_for(chip, xla_flags) -> tuple[str, ...]:
 
 
 def analyze_layout(topology: str, shape: LayerShape, c: int, u: int, t: int, *, memory_budget=None,
-                   baseline: bool = True, xla_flags=None) -> Report:
+                   baseline: bool = True, xla_flags=None, load_balanced: bool = False) -> Report:
     """Compiles one layout (and the naive baseline) and returns the report."""
     topo = get_topology(topology)
     devices = topo.devices
@@ -198,17 +198,19 @@ def analyze_layout(topology: str, shape: LayerShape, c: int, u: int, t: int, *, 
     shape, why = shape.resolved(mesh)  # the knobs CPAttention's "auto" picks on this chip and layout
     label = f"CPAttention ({c},{u},{t})"
     dp = len(devices) // (c * u * t)
-    analysis = _with_shape_flops(_compile(cp_layer, label, shape, mesh, chip, budget, flags), shape, c, u, t, dp, chip)
+    analysis = _with_shape_flops(_compile(cp_layer, label, shape, mesh, chip, budget, flags), shape, c, u, t, dp, chip,
+                                 load_balanced)
     base = None
     if baseline:
         base = _with_shape_flops(_compile(naive_layer, "naive fused QKV", shape, mesh, chip, budget, flags),
-                                 shape, c, u, t, dp, chip)
+                                 shape, c, u, t, dp, chip, load_balanced)
     return Report(topology=topology, chip=chip, mesh_shape=dict(mesh.shape), layer=shape, flags=" ".join(flags),
                   analysis=analysis, baseline=base, defaults=why.why if why else "")
 
 
-def _with_shape_flops(a: Analysis, shape: LayerShape, c: int, u: int, t: int, dp: int, chip) -> Analysis:
-    model, executed = _auto.layer_flops(shape, c, u, t, dp, splash=bool(a.kernel_calls))
+def _with_shape_flops(a: Analysis, shape: LayerShape, c: int, u: int, t: int, dp: int, chip,
+                      load_balanced: bool = False) -> Analysis:
+    model, executed = _auto.layer_flops(shape, c, u, t, dp, splash=bool(a.kernel_calls), balanced=load_balanced)
     return a.with_shape_flops(model, executed, chip)
 
 
@@ -220,6 +222,7 @@ def analyze(
     kernel: str = "auto", is_causal: bool = True,
     dtype: str = "bfloat16", param_dtype: str = "float32", memory_budget: int | None = None,
     baseline: bool = True, candidates: int = 2, xla_flags: tuple[str, ...] | None = None,
+    load_balanced: bool = False,
 ) -> Report:
     """Plans one attention layer of ``model`` on ``topology`` and reports memory, collectives and overlap.
 
@@ -232,6 +235,8 @@ def analyze(
     ``CPAttention`` runs on the chip (splash on TPU unless a window rules it out);
     the report names the kernel found in the scheduled program. ``xla_flags`` (``"--name=value"`` strings) are passed to each compile;
     ``None`` means ``recommended_xla_flags("tpu", chip=...)`` for the chip.
+    ``load_balanced``: count a causal layer's work as ``jax_cp.load_balance`` spreads it (the
+    compiled program is the same; only the busiest device's FLOPs change).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}.")
@@ -242,13 +247,13 @@ def analyze(
                          dtype=dtype, param_dtype=param_dtype)
     if strategy == "manual":
         return analyze_layout(topology, shape, cp_colossal, cp_ulysses, tp, memory_budget=memory_budget,
-                              baseline=baseline, xla_flags=xla_flags)
+                              baseline=baseline, xla_flags=xla_flags, load_balanced=load_balanced)
     return choose(topology, shape, memory_budget=memory_budget, baseline=baseline, candidates=candidates,
-                  xla_flags=xla_flags)
+                  xla_flags=xla_flags, load_balanced=load_balanced)
 
 
 def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=True, candidates=2,
-           xla_flags=None) -> Report:
+           xla_flags=None, load_balanced: bool = False) -> Report:
     """``strategy="auto"``: rank layouts in closed form, compile the best ``candidates``, keep the fastest that fits.
 
     Each shortlisted layout is compiled with ``overlap_chunks`` 1 and 2 (where
@@ -285,7 +290,8 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
             if shape.num_heads % (t * u * chunks):
                 continue
             try:
-                r = analyze_layout(topology, s, c, u, t, memory_budget=budget, baseline=False, xla_flags=xla_flags)
+                r = analyze_layout(topology, s, c, u, t, memory_budget=budget, baseline=False, xla_flags=xla_flags,
+                                   load_balanced=load_balanced)
             except ValueError as e:
                 reasons.append(f"skipped ({c},{u},{t}) {ex}: {e}")
                 break
@@ -316,8 +322,23 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
         mesh = topology_mesh(topology, cp_colossal=m["cp_colossal"], cp_ulysses=m["cp_ulysses"], tp=m["tp"])
         base = _with_shape_flops(_compile(naive_layer, "naive fused QKV", s, mesh, chip, budget,
                                           _flags_for(chip, xla_flags)),
-                                 s, m["cp_colossal"], m["cp_ulysses"], m["tp"], m["dp"], chip)
+                                 s, m["cp_colossal"], m["cp_ulysses"], m["tp"], m["dp"], chip, load_balanced)
+    if base is not None and base.estimate.step_s < best.analysis.estimate.step_s:
+        reasons.append(_baseline_wins(best.analysis, base))
     return dataclasses.replace(best, baseline=base, reasons=tuple(reasons))
+
+
+def _baseline_wins(a: Analysis, base: Analysis) -> str:
+    """Why the naive baseline's estimate beats the chosen layout's, term by term (never silently)."""
+    ea, eb = a.estimate, base.estimate
+    terms = [(name, getattr(ea, f) - getattr(eb, f)) for name, f in (
+        ("compute", "compute_s"), ("HBM traffic", "memory_s"), ("exposed communication", "exposed_comm_s"))]
+    worst = max(terms, key=lambda x: x[1])
+    return (f"note: the naive baseline's estimate ({eb.step_s * 1e3:.3f} ms) beats the chosen layout's "
+            f"({ea.step_s * 1e3:.3f} ms); the largest difference is {worst[0]} (+{worst[1] * 1e3:.3f} ms: "
+            + ", ".join(f"{n} {d * 1e3:+.3f} ms" for n, d in terms)
+            + "). Estimates only: the chunked layer's extra HBM traffic is real, its overlap shows in the "
+              "overlap rows.")
 
 
 def _fmt(x):

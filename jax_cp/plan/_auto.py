@@ -68,16 +68,18 @@ def candidates(n_devices: int, shape: LayerShape, exchanges: tuple[str, ...]) ->
     return out, rejected
 
 
-def layer_flops(shape: LayerShape, c: int, u: int, t: int, dp: int, *, splash: bool) -> tuple[float, float]:
+def layer_flops(shape: LayerShape, c: int, u: int, t: int, dp: int, *, splash: bool,
+                balanced: bool = False) -> tuple[float, float]:
     """``(model, executed)`` FLOPs of one device's layer, forward + backward, counted from the shapes.
 
-    Model FLOPs count each matmul once (backward = 2x forward) and attention at its visible
-    (query, key) pairs: the whole ``[S/c, S]`` block, or for a causal mask in natural order the
-    busiest colossal chunk (the last: ``T (S - T) + T (T + 1) / 2`` pairs, ``T = S/c``). Executed
-    FLOPs add what the kernels recompute in the backward: scores and probabilities again, in
-    both of splash's backward kernels (dq; dK/dV: 7 attention matmuls against the forward's 2)
-    or once in the blockwise kernel's (5). Projections use the kv heads after the layer's
-    minimal repetition (``lcm(K, t * u * overlap_chunks)``).
+    ``model``: the layer's useful FLOPs divided evenly over the devices (each matmul once,
+    backward = 2x forward, attention at its visible (query, key) pairs: half the square for a
+    causal mask), the numerator of MFU. ``executed``: what the busiest device runs, with the
+    kernels' backward recomputation (scores and probabilities again in both of splash's backward
+    kernels, dq and dK/dV: 7 attention matmuls against the forward's 2; once in the blockwise
+    kernel's: 5). For a causal mask in natural order the busiest device holds the last colossal
+    chunk (``T (S - T) + T (T + 1) / 2`` pairs, ``T = S/c``); ``balanced`` (``jax_cp.load_balance``)
+    evens it out. Projections use the kv heads after the layer's minimal repetition.
     """
     D, H, d, S = shape.d_model, shape.num_heads, shape.head_dim, shape.seq_len
     chunks = shape.overlap_chunks if isinstance(shape.overlap_chunks, int) else 1
@@ -85,10 +87,11 @@ def layer_flops(shape: LayerShape, c: int, u: int, t: int, dp: int, *, splash: b
     tokens = shape.batch * S / (dp * c * u)
     proj_fwd = 2 * tokens * D * (H + 2 * kv) * d / t + 2 * tokens * H * d * D / t
     T = S / c
-    pairs = T * (S - T) + T * (T + 1) / 2 if shape.is_causal else T * S
-    attn_fwd = 4 * (shape.batch / dp) * (H / (t * u)) * d * pairs
-    model = 3 * (proj_fwd + attn_fwd)
-    return model, 3 * proj_fwd + attn_fwd * (1 + (7 if splash else 5) / 2)
+    mean_pairs = S * (S + 1) / 2 / c if shape.is_causal else T * S
+    busiest = T * (S - T) + T * (T + 1) / 2 if shape.is_causal and not balanced else mean_pairs
+    per_pair = 4 * (shape.batch / dp) * (H / (t * u)) * d
+    model = 3 * (proj_fwd + per_pair * mean_pairs)
+    return model, 3 * proj_fwd + per_pair * busiest * (1 + (7 if splash else 5) / 2)
 
 
 def closed_form_seconds(cand: Candidate, shape: LayerShape, chip: Chip) -> float:
