@@ -89,29 +89,30 @@ def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window
     return kernel
 
 
-def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange: str = "all_gather",
+def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=None,
              is_causal: bool = False, local_window_size: Window = None, has_segments: bool = False,
              dtype=jnp.bfloat16, head_dim: int = 128) -> str:
     """One line: the kernel a call runs on ``platform`` (default: the default backend) and why.
 
+    ``kv_exchange``: a ``jax_cp.exchanges`` value or name (default: the default exchange).
     ``"auto"`` never chooses silently: e.g. ``"splash (auto on tpu)"``, or
     ``"blockwise (auto on tpu: local_window_size=(128, 0) needs two bounds ...)"``.
     An explicit kernel that cannot serve the call raises its ``ValueError``.
     """
+    from jax_cp import exchanges  # the exchanges import this module
+
+    exchange = exchanges.resolve(exchanges.DEFAULT if kv_exchange is None else kv_exchange)
+    exchange.check_kernel(kernel)  # e.g. the ring refuses kernels without a log-sum-exp
     platform = platform or target_platform()
     window = normalize_window(local_window_size)
-    ring = str(kv_exchange) == "ring"
-    if ring and kernel not in ("auto", "blockwise", "splash"):
-        from jax_cp import exchanges
-
-        exchanges.resolve("ring").check_kernel(kernel)  # raises its ValueError
     chosen = select_kernel(kernel, platform=platform, is_causal=is_causal, window=window,
                            has_segments=has_segments, dtype=dtype, head_dim=head_dim)
     if kernel != "auto":
         return f"{chosen} (explicit)"
+    ring = isinstance(exchange, exchanges.Ring)
     if ring and chosen == "cudnn":
-        return (f"blockwise (auto on {platform} with kv_exchange='ring': the ring's steps merge log-sum-exps, "
-                "which cuDNN does not return)")
+        return (f"blockwise (auto on {platform} with kv_exchange={exchange.name!r}: the ring's steps merge "
+                "log-sum-exps, which cuDNN does not return)")
     if chosen == "blockwise":
         why = {"tpu": splash_unsupported_reason(window=window),
                "gpu": cudnn_unsupported_reason(is_causal=is_causal, window=window, has_segments=has_segments,

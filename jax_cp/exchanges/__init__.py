@@ -7,7 +7,7 @@ value          collective (file)                   when
                (``all_gather.py``)
 ``AllToAll``   one all-to-all over both CP axes    async on every TPU generation; no fused Q/K/V
                (``all_to_all.py``)
-``Ring``       ``ppermute`` around the ring        O(S/c) memory; blockwise kernel only
+``Ring``       ``ppermute`` around the ring        O(S/c) memory; splash or blockwise per step
                (``ring.py``)
 =============  ==================================  ===============================================
 
