@@ -388,7 +388,8 @@ def test_v5p_compiles_default_positions():
     its metadata behind an optimization barrier. In a subprocess, so a regression fails this test
     instead of killing the test run."""
     code = ("from jax_cp import plan; r = plan.analyze(topology='v5p:2x2x1', model='tiny', seq_len=8192, batch=4, "
-            "cp_colossal=2, cp_ulysses=2, baseline=False); print('memory', r.analysis.memory.total)")
+            "cp_colossal=2, cp_ulysses=2, baseline=False, kernel='blockwise'); "
+            "print('memory', r.analysis.memory.total)")
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, JAX_PLATFORMS="cpu"),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "Check failed" not in out.stderr, out.stderr[-3000:]
@@ -437,7 +438,7 @@ def test_auto_strategy_chooses_and_explains():
     assert r.analysis.memory.fits and r.baseline is not None
     assert "strategy=auto:" in str(r)
     with pytest.raises(ValueError, match="no compiled layout fits memory_budget=1024 bytes"):
-        plan.analyze(strategy="auto", candidates=1, memory_budget=1024, baseline=False, **SMALL)
+        plan.analyze(strategy="auto", candidates=1, memory_budget=1024, baseline=False, kernel="blockwise", **SMALL)
 
 
 def test_layer_flops_count_the_mask_and_the_recompute():
