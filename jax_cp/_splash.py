@@ -47,6 +47,11 @@ def _pad_len(x, length, value):
     return jnp.pad(x, [(0, length - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value)
 
 
+def _pad_seq(x, length, value=0):
+    """``x`` padded with ``value`` to ``length`` along axis 1 (the sequence; ``None`` passes)."""
+    return None if x is None else jnp.moveaxis(_pad_len(jnp.moveaxis(x, 1, 0), length, value), 0, 1)
+
+
 def _counts_le(kv_keys, q_keys):
     """For each query key tuple, how many kv key tuples are ``<=`` it (lexicographic)."""
     S, T = kv_keys[0].shape[0], q_keys[0].shape[0]
@@ -67,12 +72,12 @@ def _mask_info(block_mask_NM, data_next_NM):
 
 def _sort_keys(kpos, kseg, S):
     """One row's keys, padded to ``Sp``: the permutation that sorts them by
-    ``(padding, segment, position)`` and the sorted ``(padding, segment, position)`` keys."""
+    ``(padding, segment, position)``, and those ``(padding, segment, position)`` keys."""
     Sp = kpos.shape[0]
     kseg0 = jnp.zeros(Sp, jnp.int32) if kseg is None else kseg
     kinv = ((jnp.arange(Sp) >= S) | (kseg0 < 0)).astype(jnp.int32)  # padding (negative segment) sorts last
-    kinv_s, kseg_s, kpos_s, perm = lax.sort((kinv, kseg0, kpos, jnp.arange(Sp, dtype=jnp.int32)), num_keys=3)
-    return perm, (kinv, kseg0, kpos), (kinv_s, kseg_s, kpos_s)
+    perm = lax.sort((kinv, kseg0, kpos, jnp.arange(Sp, dtype=jnp.int32)), num_keys=3)[3]
+    return perm, (kinv, kseg0, kpos)
 
 
 def _row_info(kv_keys, q_hi, q_lo, *, T):
@@ -120,7 +125,7 @@ def _segment_ids(qseg, qseg0, kseg_s):
 def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, *, T, S, is_causal, interpret):
     """One batch row, already padded to block multiples; returns ``o_HTd`` and ``has_key_T``."""
     Tp, Sp = q_HTd.shape[1], k_KSd.shape[1]
-    perm, kv_keys, _ = _sort_keys(kpos, kseg, S)
+    perm, kv_keys = _sort_keys(kpos, kseg, S)
     k_KSd, v_KSd, kseg_s = k_KSd[:, perm], v_KSd[:, perm], kv_keys[1][perm]
     qseg0 = jnp.zeros(Tp, jnp.int32) if qseg is None else qseg
     zeros, imax = jnp.zeros(Tp, jnp.int32), jnp.full(Tp, _IMAX, jnp.int32)
@@ -231,12 +236,11 @@ def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids
     S = k_BSKd.shape[1]
     scale = d**-0.5 if scale is None else scale
     Tp, Sp = -(-T // LANES) * LANES, -(-S // LANES) * LANES
-    pad = lambda x, n, val=0: None if x is None else jnp.moveaxis(_pad_len(jnp.moveaxis(x, 1, 0), n, val), 0, 1)
-    q = jnp.swapaxes(pad(q_BTHd * jnp.asarray(scale, q_BTHd.dtype), Tp), 1, 2)  # [B, H, T, d]
-    k, v = (jnp.swapaxes(pad(a, Sp), 1, 2) for a in (k_BSKd, v_BSKd))
+    q = jnp.swapaxes(_pad_seq(q_BTHd * jnp.asarray(scale, q_BTHd.dtype), Tp), 1, 2)  # [B, H, T, d]
+    k, v = (jnp.swapaxes(_pad_seq(a, Sp), 1, 2) for a in (k_BSKd, v_BSKd))
     i32 = lambda a: None if a is None else jnp.asarray(a, jnp.int32)
-    qpos, kpos = pad(i32(q_positions), Tp), pad(i32(kv_positions), Sp)
-    qseg, kseg = pad(i32(q_segment_ids), Tp), pad(i32(kv_segment_ids), Sp)
+    qpos, kpos = _pad_seq(i32(q_positions), Tp), _pad_seq(i32(kv_positions), Sp)
+    qseg, kseg = _pad_seq(i32(q_segment_ids), Tp), _pad_seq(i32(kv_segment_ids), Sp)
 
     def row(q, k, v, qpos, kpos, qseg, kseg):
         return _one_row(q, k, v, qpos, kpos, qseg, kseg, T=T, S=S, is_causal=is_causal, interpret=interpret)
@@ -260,10 +264,6 @@ class RingStep:
     is_causal: bool
     has_segments: bool
     static: tuple  # the kernel's keyword arguments
-
-
-def _pad_seq(x, length, value=0):
-    return None if x is None else jnp.moveaxis(_pad_len(jnp.moveaxis(x, 1, 0), length, value), 0, 1)
 
 
 def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, interpret):

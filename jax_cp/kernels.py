@@ -109,10 +109,9 @@ def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=N
                            has_segments=has_segments, dtype=dtype, head_dim=head_dim)
     if kernel != "auto":
         return f"{chosen} (explicit)"
-    ring = isinstance(exchange, exchanges.Ring)
-    if ring and chosen == "cudnn":
-        return (f"blockwise (auto on {platform} with kv_exchange={exchange.name!r}: the ring's steps merge "
-                "log-sum-exps, which cuDNN does not return)")
+    runs, why = exchange.step_kernel(chosen)
+    if why:
+        return f"{runs} (auto on {platform} with kv_exchange={exchange.name!r}: {why})"
     if chosen == "blockwise":
         why = {"tpu": splash_unsupported_reason(window=window),
                "gpu": cudnn_unsupported_reason(is_causal=is_causal, window=window, has_segments=has_segments,

@@ -81,9 +81,7 @@ def reorder(tree, mesh, *, axis: int = 1):
         raise ValueError(f"reorder: the arrays of tree must share one sequence length on axis={axis}, "
                          f"got lengths {sorted(lengths)}; reorder trees of one sequence length at a time.")
     (seq_len,) = lengths
-    c = mesh_dims(mesh).c
-    natural = jnp.arange(seq_len, dtype=jnp.int32)
-    return _apply(tree, mesh, axis, inverse=False), natural if c == 1 else _permute(natural, c, 0, False)
+    return _apply(tree, mesh, axis, inverse=False), _apply(jnp.arange(seq_len, dtype=jnp.int32), mesh, 0, False)
 
 
 def restore(tree, mesh, *, axis: int = 1):

@@ -219,7 +219,7 @@ def test_eager_calls_run_one_compiled_program_per_layer():
     g = jax.grad(lambda q: f(q).sum())(q)  # grad of concrete values: the forward program is jitted too
     assert_close(g, jax.jit(jax.grad(lambda q: f(q).sum()))(q), jnp.float32)
     model = jax_cp.linen.CPAttention(4, 16, mesh=mesh, is_causal=True)
-    variables = model.init(jax.random.key(0), jnp.ones((B, 32, 16)))  # eager init: one program for the layer
+    model.init(jax.random.key(0), jnp.ones((B, 32, 16)))  # eager init: one program for the layer
     assert len(_EAGER_PROGRAMS) == before + 2  # (the grad reused the forward's program)
 
 

@@ -50,6 +50,11 @@ class KVExchange:
     def check_kernel(self, kernel: str) -> None:
         """Raises a ValueError if this exchange's attend step cannot run ``kernel``."""
 
+    def step_kernel(self, chosen: str) -> tuple[str, str]:
+        """``(kernel, why)``: what this exchange's steps run when the local selection (``"auto"``)
+        chose ``chosen``, and why it differs (``""`` when it does not)."""
+        return chosen, ""
+
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec):
         """Per device: queries and K/V of the colossal chunk (heads split) -> ``o [B, T, H, d]``."""
         raise NotImplementedError

@@ -204,13 +204,19 @@ class Ring(KVExchange):
                              "(the blockwise and splash kernels return them); use kernel='auto', 'blockwise' or "
                              "'splash' (or kv_exchange='all_gather').")
 
+    def step_kernel(self, chosen: str) -> tuple[str, str]:
+        if chosen in ("splash", "blockwise"):
+            return chosen, ""
+        name = {"cudnn": "cuDNN"}.get(chosen, chosen)
+        return "blockwise", f"the ring's steps merge log-sum-exps, which {name} does not return"
+
     def kernel(self, spec, q_BTHd, has_segments: bool) -> str:
         """The kernel each ring step runs: ``auto`` is splash on TPU when the mask is expressible
         there (no window), blockwise otherwise; an explicit choice that cannot serve raises."""
         chosen = _kernels.select_kernel(spec.kernel, platform=_kernels.target_platform(), is_causal=spec.is_causal,
                                         window=normalize_window(spec.local_window_size), has_segments=has_segments,
                                         dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1])
-        return "splash" if chosen == "splash" else "blockwise"  # auto on GPU (cuDNN) rings blockwise
+        return self.step_kernel(chosen)[0]
 
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec):
         pos, seg = seq_chunk(meta.pos, (COLOSSAL,)), seq_chunk(meta.seg, (COLOSSAL,))

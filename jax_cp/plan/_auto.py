@@ -68,6 +68,12 @@ def candidates(n_devices: int, shape: LayerShape, exchanges: tuple[str, ...]) ->
     return out, rejected
 
 
+def _projection_flops_fwd(shape: LayerShape, tokens: float, kv: int, t: int) -> float:
+    """Forward FLOPs of the Q, K, V and output projections for ``tokens`` tokens on one device."""
+    D, H, d = shape.d_model, shape.num_heads, shape.head_dim
+    return 2 * tokens * D * (H + 2 * kv) * d / t + 2 * tokens * H * d * D / t
+
+
 def layer_flops(shape: LayerShape, c: int, u: int, t: int, dp: int, *, splash: bool,
                 balanced: bool = False) -> tuple[float, float]:
     """``(model, executed)`` FLOPs of one device's layer, forward + backward, counted from the shapes.
@@ -81,11 +87,10 @@ def layer_flops(shape: LayerShape, c: int, u: int, t: int, dp: int, *, splash: b
     chunk (``T (S - T) + T (T + 1) / 2`` pairs, ``T = S/c``); ``balanced`` (``jax_cp.load_balance``)
     evens it out. Projections use the kv heads after the layer's minimal repetition.
     """
-    D, H, d, S = shape.d_model, shape.num_heads, shape.head_dim, shape.seq_len
+    H, d, S = shape.num_heads, shape.head_dim, shape.seq_len
     chunks = shape.overlap_chunks if isinstance(shape.overlap_chunks, int) else 1
     kv = lcm(shape.num_kv_heads, t * u * chunks)
-    tokens = shape.batch * S / (dp * c * u)
-    proj_fwd = 2 * tokens * D * (H + 2 * kv) * d / t + 2 * tokens * H * d * D / t
+    proj_fwd = _projection_flops_fwd(shape, shape.batch * S / (dp * c * u), kv, t)
     T = S / c
     mean_pairs = S * (S + 1) / 2 / c if shape.is_causal else T * S
     busiest = T * (S - T) + T * (T + 1) / 2 if shape.is_causal and not balanced else mean_pairs
@@ -101,7 +106,7 @@ def closed_form_seconds(cand: Candidate, shape: LayerShape, chip: Chip) -> float
     kv = lcm(shape.num_kv_heads, t * u * cand.overlap_chunks)  # kv heads after minimal repetition
     e = jnp.dtype(shape.dtype).itemsize
     b, T = shape.batch / dp, shape.batch * shape.seq_len / (dp * c * u)
-    flops_fwd = 2 * T * D * (H + 2 * kv) * d / t + 2 * T * H * d * D / t
+    flops_fwd = _projection_flops_fwd(shape, T, kv, t)
     flops_fwd += 4 * b * (shape.seq_len / c) * shape.seq_len * (H / (t * u)) * d
     wire_fwd = (T * (2 * H + 2 * kv) / t * d * e) * (u - 1) / u  # q, k, v, o all-to-alls
     wire_fwd += 2 * b * (shape.seq_len / c) * (kv / (t * u)) * d * e * (c - 1)  # K/V exchange
