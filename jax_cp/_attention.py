@@ -58,7 +58,7 @@ def _check_qkv(query, key, value, layout):
 def dot_product_attention(
     query, key, value, *, mesh, is_causal=False, scale=None, layout="BSHD",
     positions=None, segment_ids=None, local_window_size=None,
-    kernel="auto", kv_exchange=AUTO,
+    kernel="auto", kv_exchange=AUTO, block_q=None, block_kv=None,
 ):
     """Context-parallel counterpart of ``jax.nn.dot_product_attention``.
 
@@ -71,6 +71,8 @@ def dot_product_attention(
     token in the order given; masks come from them. ``kv_exchange`` moves K/V
     over ``cp_colossal``: a ``jax_cp.exchanges`` value, its name (see
     ``jax_cp.exchanges.NAMES``) or ``"auto"`` (the measured rule for the chip and layout).
+    ``block_q``/``block_kv`` size the blockwise kernel's tiles on each device (``None``: from the
+    local batch, heads and platform, ``jax_cp.kernels.auto_blocks``).
     """
     dims = mesh_dims(mesh)
     query, key, value = _check_qkv(query, key, value, layout)
@@ -78,7 +80,7 @@ def dot_product_attention(
     K = key.shape[2]
     spec = AttentionSpec(num_heads=H, num_kv_heads=K, head_dim=d, is_causal=is_causal, scale=scale,
                          local_window_size=local_window_size, kernel=kernel, kv_exchange=kv_exchange,
-                         overlap_chunks=1, fused_qkv_chunks=0)
+                         overlap_chunks=1, fused_qkv_chunks=0, block_q=block_q, block_kv=block_kv)
     spec, _ = spec.resolve(mesh, batch=B, seq_len=S, itemsize=query.dtype.itemsize)
     rep = spec.layout(dims).kv_expanded // K  # minimal repetition so t*u devices each hold whole kv heads
     check_seq_batch(B, S, dims)

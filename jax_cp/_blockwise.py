@@ -20,7 +20,8 @@ from jax import lax
 
 from jax_cp._masks import Window, normalize_window, visible
 
-__all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "forward", "backward", "varying", "vma", "NEG"]
+__all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "auto_blocks", "check_block", "forward", "backward",
+           "varying", "vma", "NEG"]
 
 NEG = -1e30  # finite minus-infinity: masked scores, and the lse of rows that see no key
 _IMAX, _IMIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
@@ -41,21 +42,56 @@ class Spec:
     is_causal: bool
     window: Window
     scale: float
-    block_q: int
-    block_kv: int
+    block_q: int | None  # None: auto_blocks
+    block_kv: int | None
 
 
-def _check_block(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int (e.g. 512).")
+def check_block(name: str, value) -> int | None:
+    """A block size: a positive int, or ``None`` (``auto_blocks`` picks it from the shapes)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name}={value!r} must be a positive int (e.g. 512) or None (chosen from the shapes "
+                         "and the platform).")
     return value
 
 
 def make_spec(head_dim: int, *, is_causal=False, local_window_size=None, scale=None,
-              block_q: int = 512, block_kv: int = 512) -> Spec:
+              block_q: int | None = None, block_kv: int | None = None) -> Spec:
     return Spec(bool(is_causal), normalize_window(local_window_size),
                 float(head_dim**-0.5 if scale is None else scale),
-                _check_block("block_q", block_q), _check_block("block_kv", block_kv))
+                check_block("block_q", block_q), check_block("block_kv", block_kv))
+
+
+# The default blocks, measured (benchmarks/kernel_speed.py, RESULTS "Local attention kernels"): on
+# the CPU, 1024 query rows x 512 keys ran at or near the plain-matmul rate at 1 to 8 local heads
+# (smaller tiles were slower: each loop step has a fixed cost and the dots run best large); the
+# score tile is capped at CPU_TILE_BYTES for many heads or a large batch. Elsewhere the blockwise
+# kernel is the fallback under splash/cuDNN and keeps 512 x 512 (what the TPU schedules in
+# benchmarks/RESULTS.md were compiled with).
+CPU_BLOCKS = (1024, 512)
+CPU_TILE_BYTES = 16 * 2**20
+OTHER_BLOCKS = (512, 512)
+
+
+def auto_blocks(batch: int, heads: int, platform: str | None = None) -> tuple[int, int]:
+    """``(block_q, block_kv)`` for ``batch x heads`` local score tiles on ``platform`` (default: the
+    platform being compiled for)."""
+    if platform is None:
+        from jax_cp.kernels import target_platform  # kernels imports this module
+
+        platform = target_platform()
+    if platform != "cpu":
+        return OTHER_BLOCKS
+    bq, bk = CPU_BLOCKS
+    while bq > 128 and batch * heads * bq * bk * 4 > CPU_TILE_BYTES:
+        bq //= 2
+    return bq, bk
+
+
+def _spec_blocks(spec: Spec, B: int, H: int) -> tuple[int, int]:
+    if spec.block_q is not None and spec.block_kv is not None:
+        return spec.block_q, spec.block_kv
+    bq, bk = auto_blocks(B, H)
+    return spec.block_q or bq, spec.block_kv or bk
 
 
 def _blocks(length: int, block: int) -> tuple[int, int]:
@@ -121,12 +157,6 @@ def _split(x, block: int):
     return jnp.moveaxis(x.reshape(B, L // block, block, *x.shape[2:]), 1, 0)
 
 
-def _merge(x, batch_axis: int = 1):
-    """Inverse of ``_split``: ``[N, B, Q, ...] -> [B, N*Q, ...]``."""
-    x = jnp.moveaxis(x, 0, batch_axis)
-    return x.reshape(*x.shape[:batch_axis], -1, *x.shape[batch_axis + 2:])
-
-
 def vma(x) -> frozenset:
     """The manual mesh axes ``x`` varies over inside ``jax.shard_map`` (empty outside)."""
     aval = jax.typeof(x)
@@ -151,15 +181,33 @@ def _meta_blocks(m: Meta, block: int):
     return _split(m.pos, block), _split(seg, block), _split(m.valid, block)
 
 
+def _blocks_major(x, block: int, axes):
+    """``x [B, L, *rest]`` cut into ``L/block`` blocks and transposed once, before the block loops,
+    to ``[L/block, *axes order]``: ``axes`` orders ``(0 batch, 1 in-block position, 2.. rest)``."""
+    B, L = x.shape[:2]
+    x = x.reshape(B, L // block, block, *x.shape[2:])
+    return jnp.transpose(x, (1, *(a if a == 0 else a + 1 for a in axes)))
+
+
+def _safe(m):
+    """A softmax shift that is ``0`` for rows that saw no key (``m = NEG``): their masked scores
+    (``NEG``) then give ``exp(NEG) = 0`` with no second select on the score tile."""
+    return jnp.where(m > 0.5 * NEG, m, 0.0)
+
+
 def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int, bk: int, state=None):
+    """Head-major blocks, laid out once so every dot in the loop is a plain batched matmul
+    (``[B K, G Q, d] @ [B K, d, C]``, ``[B K, G Q, C] @ [B K, C, d]``): no per-block transpose."""
     B, T, H, d = q_BTHd.shape
     K = k_BSKd.shape[2]
     G = H // K
     has_seg = qm.seg is not None
     order_NM, count_N = _schedule(block_visible(qm, km, spec, bq, bk))
-    q_NBQKGd = _split(q_BTHd.reshape(B, T, K, G, d), bq)
-    k_MBCKd, v_MBCKd = _split(k_BSKd, bk), _split(v_BSKd, bk)
+    q_NBKGQd = _blocks_major(q_BTHd.reshape(B, T, K, G, d), bq, (0, 2, 3, 1, 4))
+    kT_MBKdC = _blocks_major(k_BSKd, bk, (0, 2, 3, 1))
+    v_MBKCd = _blocks_major(v_BSKd, bk, (0, 2, 1, 3))
     kpos, kseg, kval = _meta_blocks(km, bk)
+    refs = (q_BTHd, k_BSKd, v_BSKd, qm, km, state)
 
     def q_block(xs):
         q, qpos, qseg, qval, order, count, o0, lse0 = xs
@@ -167,77 +215,89 @@ def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int,
         def body(n, carry):
             m, l, acc = carry
             j = order[n]
-            k, v = k_MBCKd[j], v_MBCKd[j]
-            s = jnp.einsum("bqkgd,bckd->bkgqc", q, k, preferred_element_type=jnp.float32) * spec.scale
+            s = jnp.einsum("bkgqd,bkdc->bkgqc", q, kT_MBKdC[j], preferred_element_type=jnp.float32)
             mask = _block_mask(qpos, qseg if has_seg else None, qval, kpos[j],
                                kseg[j] if has_seg else None, kval[j], spec)
-            s = jnp.where(mask, s, NEG)
+            s = jnp.where(mask, s * spec.scale, NEG)  # the one select on the tile
             m_new = jnp.maximum(m, s.max(-1))
-            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-            alpha = jnp.exp(m - m_new)
-            pv = jnp.einsum("bkgqc,bckd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            shift = _safe(m_new)
+            p = jnp.exp(s - shift[..., None])
+            alpha = jnp.exp(m - shift)
+            v = v_MBKCd[j]
+            pv = jnp.einsum("bkgqc,bkcd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
         if o0 is None:
-            init = varying((q_BTHd, k_BSKd, v_BSKd, qm, km), jnp.full((B, K, G, bq), NEG, jnp.float32),
-                            jnp.zeros((B, K, G, bq), jnp.float32), jnp.zeros((B, K, G, bq, d), jnp.float32))
+            init = varying(refs, jnp.full((B, K, G, bq), NEG, jnp.float32), jnp.zeros((B, K, G, bq), jnp.float32),
+                           jnp.zeros((B, K, G, bq, d), jnp.float32))
         else:  # continue from a normalised (o, lse): the softmax state (m=lse, l=1, acc=o)
-            init = (jnp.moveaxis(lse0, 1, 3), *varying(refs, jnp.ones((B, K, G, bq), jnp.float32)),
-                    jnp.moveaxis(o0, 1, 3))
+            init = (lse0, *varying(refs, jnp.ones((B, K, G, bq), jnp.float32)), o0)
         m, l, acc = lax.fori_loop(0, count, body, init)
-        o = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), NEG)
-        return jnp.moveaxis(o, 3, 1), jnp.moveaxis(lse, 3, 1)  # [B, Q, K, G, d], [B, Q, K, G]
+        seen = l > 0
+        o = acc / jnp.where(seen, l, 1.0)[..., None]
+        return o, jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG)  # [B, K, G, Q, d], [B, K, G, Q]
 
     qpos, qseg, qval = _meta_blocks(qm, bq)
-    refs = (q_BTHd, k_BSKd, v_BSKd, qm, km, state)
-    o0, lse0 = (None, None) if state is None else (_split(state[0].reshape(B, T, K, G, d), bq),
-                                                 _split(state[1].reshape(B, T, K, G), bq))
-    o, lse = lax.map(q_block, (q_NBQKGd, qpos, qseg, qval, order_NM, count_N, o0, lse0))
-    return _merge(o).reshape(B, T, H, d), _merge(lse).reshape(B, T, H)
+    o0 = lse0 = None
+    if state is not None:
+        o0 = _blocks_major(state[0].reshape(B, T, K, G, d), bq, (0, 2, 3, 1, 4))
+        lse0 = _blocks_major(state[1].reshape(B, T, K, G), bq, (0, 2, 3, 1))
+    o, lse = lax.map(q_block, (q_NBKGQd, qpos, qseg, qval, order_NM, count_N, o0, lse0))
+    o = jnp.transpose(o, (1, 0, 4, 2, 3, 5)).reshape(B, T, H, d)  # [N, B, K, G, Q, d] -> [B, T, H, d]
+    return o, jnp.transpose(lse, (1, 0, 4, 2, 3)).reshape(B, T, H)
 
 
 def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spec: Spec, bq: int, bk: int,
                 dq_BTHd=None):
+    """Flash-attention-2 backward over the same head-major blocks. Each dot is a plain batched
+    matmul: the operands it contracts over queries (``q``, ``do``) are also kept transposed
+    (``[B K, d, G Q]``), so ``dK^T``/``dV^T`` accumulate as ``[B K, d, C]`` and no score-sized tile is
+    ever transposed."""
     B, T, H, d = q_BTHd.shape
-    S, K = k_BSKd.shape[1:3]
+    K = k_BSKd.shape[2]
     G = H // K
     has_seg = qm.seg is not None
     refs = (q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km)
     order_MN, count_M = _schedule(block_visible(qm, km, spec, bq, bk).T)
-    q_N, do_N = (_split(a.reshape(B, T, K, G, d), bq) for a in (q_BTHd, do_BTHd))
-    lse_N, delta_N = (jnp.moveaxis(_split(a.reshape(B, T, K, G), bq), 2, 4) for a in (lse_BTH, delta_BTH))
+    rows = lambda a: _blocks_major(a.reshape(B, T, K, G, d), bq, (0, 2, 3, 1, 4))  # [N, B, K, G, Q, d]
+    cols = lambda a: _blocks_major(a.reshape(B, T, K, G, d), bq, (0, 2, 4, 3, 1))  # [N, B, K, d, G, Q]
+    q_N, qT_N, do_N, doT_N = rows(q_BTHd), cols(q_BTHd), rows(do_BTHd), cols(do_BTHd)
+    lse_N, delta_N = (_blocks_major(a.reshape(B, T, K, G), bq, (0, 2, 3, 1)) for a in (lse_BTH, delta_BTH))
     qpos, qseg, qval = _meta_blocks(qm, bq)
 
     def kv_block(dq_N, xs):
-        k, v, kpos, kseg, kval, order, count = xs
+        k, kT, vT, kpos, kseg, kval, order, count = xs
 
         def body(n, carry):
-            dq_N, dk, dv = carry
+            dq_N, dkT, dvT = carry
             i = order[n]
-            q, do = q_N[i], do_N[i]
-            s = jnp.einsum("bqkgd,bckd->bkgqc", q, k, preferred_element_type=jnp.float32) * spec.scale
+            s = jnp.einsum("bkgqd,bkdc->bkgqc", q_N[i], kT, preferred_element_type=jnp.float32)
             mask = _block_mask(qpos[i], qseg[i] if has_seg else None, qval[i], kpos,
                                kseg if has_seg else None, kval, spec)
-            p = jnp.where(mask, jnp.exp(s - lse_N[i][..., None]), 0.0)
-            dv = dv + jnp.einsum("bkgqc,bqkgd->bckd", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
-            dp = jnp.einsum("bqkgd,bckd->bkgqc", do, v, preferred_element_type=jnp.float32)
-            ds = (p * (dp - delta_N[i][..., None]) * spec.scale).astype(q.dtype)
-            dk = dk + jnp.einsum("bkgqc,bqkgd->bckd", ds, q, preferred_element_type=jnp.float32)
-            dq = jnp.einsum("bkgqc,bckd->bqkgd", ds, k, preferred_element_type=jnp.float32)
-            return dq_N.at[i].add(dq), dk, dv
+            p = jnp.exp(jnp.where(mask, s * spec.scale, NEG) - _safe(lse_N[i])[..., None])
+            do = do_N[i]
+            dvT = dvT + jnp.einsum("bkdgq,bkgqc->bkdc", doT_N[i], p.astype(do.dtype),
+                                   preferred_element_type=jnp.float32)
+            dp = jnp.einsum("bkgqd,bkdc->bkgqc", do, vT, preferred_element_type=jnp.float32)
+            ds = (p * (dp - delta_N[i][..., None]) * spec.scale).astype(q_BTHd.dtype)
+            dkT = dkT + jnp.einsum("bkdgq,bkgqc->bkdc", qT_N[i], ds, preferred_element_type=jnp.float32)
+            dq = jnp.einsum("bkgqc,bkcd->bkgqd", ds, k, preferred_element_type=jnp.float32)
+            return dq_N.at[i].add(dq), dkT, dvT
 
-        zeros = jnp.zeros((B, bk, K, d), jnp.float32)
-        dq_N, dk, dv = lax.fori_loop(0, count, body, (dq_N, *varying(refs, zeros, zeros)))
-        return dq_N, (dk, dv)
+        zeros = jnp.zeros((B, K, d, bk), jnp.float32)
+        dq_N, dkT, dvT = lax.fori_loop(0, count, body, (dq_N, *varying(refs, zeros, zeros)))
+        return dq_N, (dkT, dvT)
 
-    xs = (_split(k_BSKd, bk), _split(v_BSKd, bk), *_meta_blocks(km, bk), order_MN, count_M)
+    xs = (_blocks_major(k_BSKd, bk, (0, 2, 1, 3)), _blocks_major(k_BSKd, bk, (0, 2, 3, 1)),
+          _blocks_major(v_BSKd, bk, (0, 2, 3, 1)), *_meta_blocks(km, bk), order_MN, count_M)
     if dq_BTHd is None:
-        dq0, = varying(refs, jnp.zeros((T // bq, B, bq, K, G, d), jnp.float32))
+        dq0, = varying(refs, jnp.zeros((T // bq, B, K, G, bq, d), jnp.float32))
     else:
-        dq0 = _split(dq_BTHd.reshape(B, T, K, G, d), bq)
-    dq_N, (dk, dv) = lax.scan(kv_block, dq0, xs)
-    return _merge(dq_N).reshape(B, T, H, d), _merge(dk), _merge(dv)
+        dq0 = rows(dq_BTHd)
+    dq_N, (dkT, dvT) = lax.scan(kv_block, dq0, xs)
+    dq = jnp.transpose(dq_N, (1, 0, 4, 2, 3, 5)).reshape(B, T, H, d)
+    from_T = lambda a: jnp.transpose(a, (1, 0, 4, 2, 3)).reshape(B, -1, K, d)  # [M, B, K, d, C] -> [B, S, K, d]
+    return dq, from_T(dkT), from_T(dvT)
 
 
 def forward(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, state=None):
@@ -246,9 +306,10 @@ def forward(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, state=None):
     ``state=(o, lse)`` of earlier keys continues that softmax (the ring's merge,
     without a second output buffer).
     """
-    T, S = q_BTHd.shape[1], k_BSKd.shape[1]
-    bq, Tp = _blocks(T, spec.block_q)
-    bk, Sp = _blocks(S, spec.block_kv)
+    (B, T, H), S = q_BTHd.shape[:3], k_BSKd.shape[1]
+    block_q, block_kv = _spec_blocks(spec, B, H)
+    bq, Tp = _blocks(T, block_q)
+    bk, Sp = _blocks(S, block_kv)
     if state is not None:
         state = (_pad(state[0], Tp), _pad(state[1], Tp, NEG))
     o, lse = _fwd_padded(_pad(q_BTHd, Tp), _pad(k_BSKd, Sp), _pad(v_BSKd, Sp),
@@ -263,9 +324,10 @@ def backward(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm: Meta, km: 
     ``delta`` and summing gives the full gradient (what the ring does; ``dq``
     is added to, in place).
     """
-    T, S = q_BTHd.shape[1], k_BSKd.shape[1]
-    bq, Tp = _blocks(T, spec.block_q)
-    bk, Sp = _blocks(S, spec.block_kv)
+    (B, T, H), S = q_BTHd.shape[:3], k_BSKd.shape[1]
+    block_q, block_kv = _spec_blocks(spec, B, H)
+    bq, Tp = _blocks(T, block_q)
+    bk, Sp = _blocks(S, block_kv)
     dq, dk, dv = _bwd_padded(_pad(q_BTHd, Tp), _pad(k_BSKd, Sp), _pad(v_BSKd, Sp), _pad(do_BTHd, Tp),
                              _pad(lse_BTH, Tp), _pad(delta_BTH, Tp), _pad_meta(qm, Tp), _pad_meta(km, Sp),
                              spec, bq, bk, None if dq is None else _pad(dq, Tp))
@@ -296,11 +358,12 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def blockwise_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
-    is_causal=False, local_window_size=None, scale=None, block_q: int = 512, block_kv: int = 512,
+    is_causal=False, local_window_size=None, scale=None, block_q: int | None = None, block_kv: int | None = None,
 ):
     """Masked attention with memory linear in ``S``; same contract as ``dense_attention``.
 
-    Block sizes are clamped to the sequence; lengths they do not divide are
+    ``block_q``/``block_kv`` default to ``auto_blocks`` (from the batch, the heads and the
+    platform). Block sizes are clamped to the sequence; lengths they do not divide are
     padded with masked tokens. Fully masked blocks are skipped (causal costs
     about half); rows that see no key return zeros with zero gradients.
     """

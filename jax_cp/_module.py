@@ -32,7 +32,8 @@ class CPAttention(nnx.Module):
     measures it; ``0`` none, ``overlap_chunks`` every chunk). These three
     default to ``"auto"``: resolved when the layer is traced, from the mesh's chip
     and layout, by the measured rule in ``jax_cp._defaults`` (``resolved`` shows
-    the choice and why); explicit values win. ``self.spec`` is the validated
+    the choice and why); explicit values win. ``block_q``/``block_kv`` size the blockwise
+    kernel's tiles (``None``: ``jax_cp.kernels.auto_blocks``). ``self.spec`` is the validated
     ``AttentionSpec``.
     """
 
@@ -41,12 +42,13 @@ class CPAttention(nnx.Module):
                  rope_theta: float | None = None, use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
                  kernel_init=nnx.initializers.lecun_normal(), overlap_chunks: int | str = AUTO,
                  kernel: str = "auto", kv_exchange=AUTO, fused_qkv_chunks: int | str = AUTO,
-                 sharding: AttentionSharding | None = None, rngs: nnx.Rngs):
+                 sharding: AttentionSharding | None = None, block_q: int | None = None,
+                 block_kv: int | None = None, rngs: nnx.Rngs):
         self.spec = AttentionSpec(
             num_heads=num_heads, in_features=in_features, num_kv_heads=num_kv_heads, head_dim=head_dim,
             is_causal=is_causal, use_qk_norm=use_qk_norm, rope_theta=rope_theta, use_bias=use_bias,
             overlap_chunks=AUTO if overlap_chunks is None else overlap_chunks, kernel=kernel,
-            kv_exchange=kv_exchange, fused_qkv_chunks=fused_qkv_chunks)
+            kv_exchange=kv_exchange, fused_qkv_chunks=fused_qkv_chunks, block_q=block_q, block_kv=block_kv)
         self.mesh, self.dtype = mesh, dtype
         specs = storage_specs(self.spec, mesh, sharding)
         for name, shape in param_shapes(self.spec).items():

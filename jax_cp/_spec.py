@@ -29,6 +29,8 @@ class AttentionSpec:
     ``kv_exchange`` is a ``jax_cp.exchanges`` value or its name (stored as the value).
     ``overlap_chunks``, ``fused_qkv_chunks`` and ``kv_exchange`` may be ``"auto"``
     (the default): :meth:`resolve` fills them in for a mesh (``jax_cp._defaults.choose``).
+    ``block_q``/``block_kv`` size the blockwise kernel's tiles (``None``: chosen from the local
+    batch, heads and platform, ``jax_cp.kernels.auto_blocks``); splash and cuDNN pick their own.
     """
 
     num_heads: int
@@ -45,6 +47,8 @@ class AttentionSpec:
     fused_qkv_chunks: int | str = AUTO
     kernel: str = "auto"
     kv_exchange: _exchanges.KVExchange | str = AUTO
+    block_q: int | None = None
+    block_kv: int | None = None
 
     def __post_init__(self):
         set_ = partial_setattr(self)
@@ -71,6 +75,8 @@ class AttentionSpec:
                              f"(got {self.head_dim}).")
         set_("local_window_size", normalize_window(self.local_window_size))
         _kernels.check_kernel(self.kernel)
+        _kernels.check_block("block_q", self.block_q)
+        _kernels.check_block("block_kv", self.block_kv)
         if self.kv_exchange != AUTO:
             set_("kv_exchange", _exchanges.resolve(self.kv_exchange))
             self.kv_exchange.check_kernel(self.kernel)

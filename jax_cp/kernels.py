@@ -9,13 +9,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_cp._blockwise import blockwise_attention
+from jax_cp._blockwise import auto_blocks, blockwise_attention, check_block
 from jax_cp._cudnn import cudnn_attention, cudnn_unsupported_reason
 from jax_cp._masks import Window, normalize_window, visible
 from jax_cp._splash import splash_attention, splash_unsupported_reason
 
 __all__ = [
-    "KERNELS", "blockwise_attention", "check_kernel", "cudnn_attention", "dense_attention", "describe",
+    "KERNELS", "auto_blocks", "blockwise_attention", "check_block", "check_kernel", "cudnn_attention",
+    "dense_attention", "describe",
     "local_attention", "select_kernel", "splash_attention", "target_platform",
 ]
 
@@ -122,9 +123,12 @@ def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=N
 
 def local_attention(
     q_BTHd, k_BSKd, v_BSKd, *, kernel: str = "auto", q_positions, kv_positions, q_segment_ids=None,
-    kv_segment_ids=None, is_causal=False, local_window_size=None, scale=None,
+    kv_segment_ids=None, is_causal=False, local_window_size=None, scale=None, block_q=None, block_kv=None,
 ):
-    """Runs the selected kernel (see ``KERNELS``, ``select_kernel``) on one device's share."""
+    """Runs the selected kernel (see ``KERNELS``, ``select_kernel``) on one device's share.
+
+    ``block_q``/``block_kv`` size the blockwise kernel's tiles (``None``: ``auto_blocks``); the
+    platform kernels choose their own."""
     window = normalize_window(local_window_size)
     chosen = select_kernel(kernel, platform=target_platform(), is_causal=is_causal, window=window,
                            has_segments=q_segment_ids is not None, dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1])
@@ -133,7 +137,7 @@ def local_attention(
     if chosen == "xla":
         return dense_attention(q_BTHd, k_BSKd, v_BSKd, **kw)
     if chosen == "blockwise":
-        return blockwise_attention(q_BTHd, k_BSKd, v_BSKd, **kw)
+        return blockwise_attention(q_BTHd, k_BSKd, v_BSKd, **kw, block_q=block_q, block_kv=block_kv)
     if chosen == "splash":
         return splash_attention(q_BTHd, k_BSKd, v_BSKd, interpret=target_platform() != "tpu", **kw)
     return cudnn_attention(q_BTHd, k_BSKd, v_BSKd, scale=scale)

@@ -2,7 +2,10 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from util import CHILD_XLA_FLAGS  # noqa: E402
+
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
+                                    CHILD_XLA_FLAGS]).strip()
 
 import jax  # noqa: E402
 

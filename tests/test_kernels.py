@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jax_cp
 from jax_cp import kernels, reference
@@ -61,6 +62,56 @@ def test_blockwise_matches_reference(B, T, S, H, K, d, dtype, order, segments, m
     f = lambda q, k, v: blockwise_attention(q, k, v, **meta, **mask, **blocks)
     ref = lambda q, k, v: reference.attend(q, k, v, **meta, **mask)
     assert_matches(f, ref, args, ct, dtype, f"{mask=} {blocks=}")
+
+
+def test_auto_blocks_follow_the_platform_and_cap_the_tile():
+    """CPU: 1024 x 512 (measured fastest at 1-8 local heads), halving the query block while the
+    f32 score tile exceeds 16 MiB; elsewhere the 512 x 512 the TPU schedules were compiled with."""
+    assert kernels.auto_blocks(1, 8, "cpu") == (1024, 512)  # 16 MiB exactly
+    assert kernels.auto_blocks(2, 8, "cpu") == (512, 512)
+    assert kernels.auto_blocks(4, 32, "cpu") == (128, 512)  # never below 128 rows
+    assert kernels.auto_blocks(1, 8, "tpu") == kernels.auto_blocks(1, 8, "gpu") == (512, 512)
+    assert kernels.auto_blocks(1, 1) == (1024, 512)  # this test runs on the CPU devices
+
+
+def _score_tiles(f, *args) -> set[str]:
+    """The f32 score-tile shapes ``[..., Q, C]`` of the kernel's compiled loop bodies."""
+    import re
+
+    text = jax.jit(f).lower(*args).compile().as_text()
+    return set(re.findall(r"f32\[(?:\d+,)*(\d+,\d+)\]\S* exponential", text))
+
+
+@pytest.mark.parametrize("kv_exchange, layout", [("all_gather", (2, 2, 2)), ("ring", (4, 1, 2))])
+def test_block_sizes_reach_the_kernel_through_the_entry_point(kv_exchange, layout):
+    """``block_q``/``block_kv`` on ``dot_product_attention`` size every device's tiles (lengths they
+    do not divide are padded and masked), the result matches the reference, and the default differs."""
+    c, u, t = layout
+    mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
+    (q, k, v), ct, _ = _inputs(2, 64, 64, 4, 2, 8, F32)
+    seg = jnp.broadcast_to(jnp.arange(64) // 40, (2, 64))
+    kw = dict(mesh=mesh, is_causal=True, segment_ids=seg, kv_exchange=kv_exchange)
+    f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, **kw, block_q=6, block_kv=12)
+    ref = lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=True, segment_ids=seg)
+    assert_matches(f, ref, (q, k, v), ct, F32, f"{kv_exchange} {layout}")
+    local = 64 // c  # queries and keys per step: the colossal chunk (gathered keys: all 64)
+    keys = 64 if kv_exchange == "all_gather" else local
+    assert f"6,{min(12, keys)}" in _score_tiles(f, q, k, v)
+    default = _score_tiles(lambda q, k, v: jax_cp.dot_product_attention(q, k, v, **kw), q, k, v)
+    assert f"{local},{keys}" in default and f"6,{min(12, keys)}" not in default  # auto: clamped to the sequence
+
+
+@pytest.mark.parametrize("name, value", [("block_q", 0), ("block_kv", -4), ("block_q", 2.5), ("block_kv", True)])
+def test_block_size_errors_name_the_parameter(name, value):
+    msg = rf"{name}={value!r} must be a positive int \(e\.g\. 512\) or None"
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2)
+    (q, k, v), _, _ = _inputs(2, 32, 32, 4, 2, 8, F32)
+    with pytest.raises(ValueError, match=msg):
+        jax_cp.dot_product_attention(q, k, v, mesh=mesh, **{name: value})
+    with pytest.raises(ValueError, match=msg):
+        jax_cp.CPAttention(4, 32, mesh=mesh, rngs=nnx.Rngs(0), **{name: value})
+    with pytest.raises(ValueError, match=msg):
+        jax_cp.AttentionSpec(num_heads=4, head_dim=8, **{name: value})
 
 
 SPLASH = [  # interpret mode: the same Pallas kernel that runs on TPU, emulated

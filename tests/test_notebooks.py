@@ -4,7 +4,6 @@ Each notebook is copied to a temporary directory and executed there with
 nbclient in a fresh kernel (the committed file is never overwritten); any cell
 that raises fails the test. Every notebook has its own wall-clock budget.
 """
-import os
 import pathlib
 import shutil
 import time
@@ -12,6 +11,8 @@ import time
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+from util import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -21,13 +22,6 @@ BUDGET_S = {
     "02_communication_and_memory.ipynb": 400,
     "03_long_context_training.ipynb": 400,
 }
-
-
-def _kernel_env() -> dict[str, str]:
-    """The kernel's environment: the notebooks set the device count themselves (first cell)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTEST_XDIST_WORKER")}
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
 
 
 def test_every_notebook_has_a_budget():
@@ -51,7 +45,7 @@ def test_notebook_runs(name, tmp_path):
         timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),  # per-notebook budget
     )
     start = time.monotonic()
-    client.execute(env=_kernel_env())  # raises CellExecutionError on the first failing cell
+    client.execute(env=child_env())  # the notebooks set the device count themselves  # raises CellExecutionError on the first failing cell
     elapsed = time.monotonic() - start
     print(f"{name}: {elapsed:.1f} s")
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]

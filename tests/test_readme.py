@@ -1,5 +1,4 @@
 """Every ```python block of the README runs as written (each in a fresh interpreter)."""
-import os
 import pathlib
 import re
 import subprocess
@@ -7,14 +6,15 @@ import sys
 
 import pytest
 
+from util import child_env
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_block_runs(index, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", BLOCKS[index]], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-c", BLOCKS[index]], capture_output=True, text=True, env=child_env(),
                           cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, f"README block {index} failed:\n{BLOCKS[index]}\n{proc.stderr[-3000:]}"
     assert proc.stdout.strip(), "a README example should print what it shows"

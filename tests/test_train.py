@@ -29,7 +29,7 @@ import jax_cp
 from conftest import needs_devices
 from models import data as data_lib
 from models import llama, train
-from util import TOL
+from util import TOL, child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 # The smallest run that still crosses every axis: B=2, S=32 on a (dp=1, c=2, u=2, t=2) mesh.
@@ -51,11 +51,8 @@ def corpus(tmp_path_factory) -> Path:
 def cache_env(tmp_path_factory) -> dict:
     base = tmp_path_factory.getbasetemp()
     cache = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # one cache for all xdist workers
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               JAX_COMPILATION_CACHE_DIR=str(cache / "jax_cache_train"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    env.pop("XLA_FLAGS", None)  # conftest's 8-device flag; each subprocess sets its own count
-    return env
+    return child_env(PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=str(cache / "jax_cache_train"),
+                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
 def _cli(*args) -> list[str]:
@@ -345,7 +342,7 @@ def test_flags_that_need_the_devices(argv, message, capsys):
 def test_cli_degrees_not_matching_devices():
     """The real command line: a wrong mesh for --devices exits 2 with one line, no traceback."""
     res = subprocess.run(_cli("--devices", "4", *HYBRID), cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                         env=child_env())
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
         "python -m models.train: error: cp_colossal*cp_ulysses*tp=8 does not divide the 4 devices; "

@@ -1,9 +1,24 @@
 """Shared test helpers: inputs, fixed per-dtype tolerances, forward+VJP in one compile."""
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# The suite's CPU programs are tiny, and LLVM's optimisation passes were most of their compile time
+# (level 0 took the suite from 19 to 14 minutes). The level changes how XLA:CPU generates machine
+# code, not what the HLO computes; benchmarks/ and `make train` keep the default. Notebooks, README
+# blocks and training subprocesses get it through ``child_env``.
+CHILD_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a subprocess or notebook kernel under test: CPU, the suite's compile flags,
+    no device count (each child sets its own) and no xdist worker id."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTEST_XDIST_WORKER")}
+    return env | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": CHILD_XLA_FLAGS} | extra
 
 # Fixed per dtype; never loosened to make a test pass. ``atol`` is relative to the
 # largest magnitude of the expected tensor (at least 1): an element's error is

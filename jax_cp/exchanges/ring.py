@@ -176,7 +176,7 @@ def splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_n
 
 def ring_attention(
     q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_name: str, is_causal=False, local_window_size=None,
-    scale=None, block_q: int = 512, block_kv: int = 512,
+    scale=None, block_q: int | None = None, block_kv: int | None = None,
 ):
     """Attention of this device's chunk to every chunk on the ``axis_name`` ring (inside ``shard_map``).
 
@@ -225,4 +225,5 @@ class Ring(KVExchange):
                                          is_causal=spec.is_causal, scale=spec.scale,
                                          interpret=_kernels.target_platform() != "tpu")
         return ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL, is_causal=spec.is_causal,
-                              local_window_size=spec.local_window_size, scale=spec.scale)
+                              local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q,
+                              block_kv=spec.block_kv)
