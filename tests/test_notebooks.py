@@ -22,6 +22,9 @@ BUDGET_S = {
     "02_communication_and_memory.ipynb": 400,
     "03_long_context_training.ipynb": 400,
 }
+# Notebook 03 trains (2 layouts x 30 steps): its time is execution, which LLVM level 0 slows
+# (81 -> 118 s in the suite), so it compiles at the default level.
+KERNEL_ENV = {"03_long_context_training.ipynb": {"XLA_FLAGS": ""}}
 
 
 def test_every_notebook_has_a_budget():
@@ -45,7 +48,8 @@ def test_notebook_runs(name, tmp_path):
         timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),  # per-notebook budget
     )
     start = time.monotonic()
-    client.execute(env=child_env())  # the notebooks set the device count themselves  # raises CellExecutionError on the first failing cell
+    # The notebooks set the device count themselves; raises CellExecutionError on the first failing cell.
+    client.execute(env=child_env(**KERNEL_ENV.get(name, {})))
     elapsed = time.monotonic() - start
     print(f"{name}: {elapsed:.1f} s")
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
