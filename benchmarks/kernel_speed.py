@@ -98,7 +98,8 @@ def main():
     print(f"jax {jax.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, one {jax.devices()[0].platform} "
           f"device; S={S}, d={d}, float32, blocks {args.block_q or 'auto'} x {args.block_kv or 'auto'} "
           f"(auto: {kernels.auto_blocks(1, 8, 'cpu')} at 8 heads); min of {args.reps} interleaved repetitions")
-    print(f"load average at start {', '.join(f'{x:.2f}' for x in load0)}; at end {', '.join(f'{x:.2f}' for x in load1)}\n")
+    fmt = lambda load: ", ".join(f"{x:.2f}" for x in load)
+    print(f"load average at start {fmt(load0)}; at end {fmt(load1)}\n")
     print("| local shape | T x S, heads | mask | pass | kernel s | kernel GFLOP/s | matmul GFLOP/s | ratio |")
     print("|---|---|---|---|---:|---:|---:|---:|")
     for name, T, H in shapes(S):

@@ -58,7 +58,7 @@ def _check_qkv(query, key, value, layout):
 def dot_product_attention(
     query, key, value, *, mesh, is_causal=False, scale=None, layout="BSHD",
     positions=None, segment_ids=None, local_window_size=None,
-    kernel="auto", kv_exchange=AUTO, block_q=None, block_kv=None,
+    kernel="auto", kv_exchange=AUTO, block_q=None, block_kv=None, logits_soft_cap=None,
 ):
     """Context-parallel counterpart of ``jax.nn.dot_product_attention``.
 
@@ -72,7 +72,9 @@ def dot_product_attention(
     over ``cp_colossal``: a ``jax_cp.exchanges`` value, its name (see
     ``jax_cp.exchanges.NAMES``) or ``"auto"`` (the measured rule for the chip and layout).
     ``block_q``/``block_kv`` size the blockwise kernel's tiles on each device (``None``: from the
-    local batch, heads and platform, ``jax_cp.kernels.auto_blocks``).
+    local batch, heads and platform, ``jax_cp.kernels.auto_blocks``). ``logits_soft_cap=c`` caps
+    the scaled logits to ``c * tanh(logits / c)`` before the mask (Gemma 2), on every kernel but cuDNN
+    (``"auto"`` then runs blockwise on GPU).
     """
     dims = mesh_dims(mesh)
     query, key, value = _check_qkv(query, key, value, layout)
@@ -80,7 +82,8 @@ def dot_product_attention(
     K = key.shape[2]
     spec = AttentionSpec(num_heads=H, num_kv_heads=K, head_dim=d, is_causal=is_causal, scale=scale,
                          local_window_size=local_window_size, kernel=kernel, kv_exchange=kv_exchange,
-                         overlap_chunks=1, fused_qkv_chunks=0, block_q=block_q, block_kv=block_kv)
+                         overlap_chunks=1, fused_qkv_chunks=0, block_q=block_q, block_kv=block_kv,
+                         logits_soft_cap=logits_soft_cap)
     spec, _ = spec.resolve(mesh, batch=B, seq_len=S, itemsize=query.dtype.itemsize)
     rep = spec.layout(dims).kv_expanded // K  # minimal repetition so t*u devices each hold whole kv heads
     check_seq_batch(B, S, dims)

@@ -20,8 +20,8 @@ from jax import lax
 
 from jax_cp._masks import Window, normalize_window, visible
 
-__all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "auto_blocks", "check_block", "forward", "backward",
-           "varying", "vma", "NEG"]
+__all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "auto_blocks", "check_block", "check_soft_cap",
+           "forward", "backward", "varying", "vma", "NEG"]
 
 NEG = -1e30  # finite minus-infinity: masked scores, and the lse of rows that see no key
 _IMAX, _IMIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
@@ -44,6 +44,19 @@ class Spec:
     scale: float
     block_q: int | None  # None: auto_blocks
     block_kv: int | None
+    soft_cap: float | None = None  # logits -> soft_cap * tanh(logits / soft_cap), before the mask
+
+    def logits(self, s):
+        """Scaled (and soft-capped) logits of the raw scores ``s``."""
+        s = s * self.scale
+        return s if self.soft_cap is None else self.soft_cap * jnp.tanh(s / self.soft_cap)
+
+    def logits_and_slope(self, s):
+        """``(logits, d logits / d s)``; without a cap the slope is the constant ``scale``."""
+        if self.soft_cap is None:
+            return s * self.scale, self.scale
+        t = jnp.tanh(s * (self.scale / self.soft_cap))
+        return self.soft_cap * t, self.scale * (1.0 - t * t)
 
 
 def check_block(name: str, value) -> int | None:
@@ -54,11 +67,22 @@ def check_block(name: str, value) -> int | None:
     return value
 
 
+def check_soft_cap(value) -> float | None:
+    """``logits_soft_cap``: a positive finite number, or ``None`` (no capping)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"logits_soft_cap={value!r} must be a positive number (e.g. 50.0, Gemma 2's) or None "
+                         "(no capping).")
+    return float(value)
+
+
 def make_spec(head_dim: int, *, is_causal=False, local_window_size=None, scale=None,
-              block_q: int | None = None, block_kv: int | None = None) -> Spec:
+              block_q: int | None = None, block_kv: int | None = None, logits_soft_cap=None) -> Spec:
     return Spec(bool(is_causal), normalize_window(local_window_size),
                 float(head_dim**-0.5 if scale is None else scale),
-                check_block("block_q", block_q), check_block("block_kv", block_kv))
+                check_block("block_q", block_q), check_block("block_kv", block_kv),
+                check_soft_cap(logits_soft_cap))
 
 
 # The default blocks, measured (benchmarks/kernel_speed.py, RESULTS "Local attention kernels"): on
@@ -145,8 +169,10 @@ def _schedule(vis_NM):
     return jnp.argsort(~vis_NM, axis=1, stable=True).astype(jnp.int32), vis_NM.sum(1).astype(jnp.int32)
 
 
-def _block_mask(qpos, qseg, qval, kpos, kseg, kval, spec: Spec):
-    """``[B, 1, 1, Q, C]`` visibility of one block pair, padding included."""
+def _block_mask(qpos, qseg, qval, kpos, kseg, kval, spec: Spec, has_seg: bool):
+    """``[B, 1, 1, Q, C]`` visibility of one block pair, padding included (``qseg``/``kseg`` are
+    placeholders, ignored, without segment ids)."""
+    qseg, kseg = (qseg, kseg) if has_seg else (None, None)
     m = visible(qpos, kpos, qseg, kseg, is_causal=spec.is_causal, window=spec.window)
     return (m & qval[:, :, None] & kval[:, None, :])[:, None, None]
 
@@ -216,9 +242,8 @@ def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int,
             m, l, acc = carry
             j = order[n]
             s = jnp.einsum("bkgqd,bkdc->bkgqc", q, kT_MBKdC[j], preferred_element_type=jnp.float32)
-            mask = _block_mask(qpos, qseg if has_seg else None, qval, kpos[j],
-                               kseg[j] if has_seg else None, kval[j], spec)
-            s = jnp.where(mask, s * spec.scale, NEG)  # the one select on the tile
+            mask = _block_mask(qpos, qseg, qval, kpos[j], kseg[j], kval[j], spec, has_seg)
+            s = jnp.where(mask, spec.logits(s), NEG)  # the one select on the tile
             m_new = jnp.maximum(m, s.max(-1))
             shift = _safe(m_new)
             p = jnp.exp(s - shift[..., None])
@@ -249,10 +274,8 @@ def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int,
 
 def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spec: Spec, bq: int, bk: int,
                 dq_BTHd=None):
-    """Flash-attention-2 backward over the same head-major blocks. Each dot is a plain batched
-    matmul: the operands it contracts over queries (``q``, ``do``) are also kept transposed
-    (``[B K, d, G Q]``), so ``dK^T``/``dV^T`` accumulate as ``[B K, d, C]`` and no score-sized tile is
-    ever transposed."""
+    """Flash-attention-2 backward over the same head-major blocks; ``q`` and ``do`` are also kept
+    transposed (``[B K, d, G Q]``) so that ``dK^T``/``dV^T`` accumulate by plain batched matmuls."""
     B, T, H, d = q_BTHd.shape
     K = k_BSKd.shape[2]
     G = H // K
@@ -272,14 +295,14 @@ def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spe
             dq_N, dkT, dvT = carry
             i = order[n]
             s = jnp.einsum("bkgqd,bkdc->bkgqc", q_N[i], kT, preferred_element_type=jnp.float32)
-            mask = _block_mask(qpos[i], qseg[i] if has_seg else None, qval[i], kpos,
-                               kseg if has_seg else None, kval, spec)
-            p = jnp.exp(jnp.where(mask, s * spec.scale, NEG) - _safe(lse_N[i])[..., None])
+            mask = _block_mask(qpos[i], qseg[i], qval[i], kpos, kseg, kval, spec, has_seg)
+            logits, slope = spec.logits_and_slope(s)
+            p = jnp.exp(jnp.where(mask, logits, NEG) - _safe(lse_N[i])[..., None])
             do = do_N[i]
             dvT = dvT + jnp.einsum("bkdgq,bkgqc->bkdc", doT_N[i], p.astype(do.dtype),
                                    preferred_element_type=jnp.float32)
             dp = jnp.einsum("bkgqd,bkdc->bkgqc", do, vT, preferred_element_type=jnp.float32)
-            ds = (p * (dp - delta_N[i][..., None]) * spec.scale).astype(q_BTHd.dtype)
+            ds = (p * (dp - delta_N[i][..., None]) * slope).astype(q_BTHd.dtype)
             dkT = dkT + jnp.einsum("bkdgq,bkgqc->bkdc", qT_N[i], ds, preferred_element_type=jnp.float32)
             dq = jnp.einsum("bkgqc,bkcd->bkgqd", ds, k, preferred_element_type=jnp.float32)
             return dq_N.at[i].add(dq), dkT, dvT
@@ -359,16 +382,18 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def blockwise_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     is_causal=False, local_window_size=None, scale=None, block_q: int | None = None, block_kv: int | None = None,
+    logits_soft_cap: float | None = None,
 ):
     """Masked attention with memory linear in ``S``; same contract as ``dense_attention``.
 
-    ``block_q``/``block_kv`` default to ``auto_blocks`` (from the batch, the heads and the
-    platform). Block sizes are clamped to the sequence; lengths they do not divide are
-    padded with masked tokens. Fully masked blocks are skipped (causal costs
+    ``logits_soft_cap=c`` caps the scaled logits to ``c * tanh(logits / c)`` before the mask (Gemma
+    2), with its exact gradient. ``block_q``/``block_kv`` default to ``auto_blocks`` (from the
+    batch, the heads and the platform). Block sizes are clamped to the sequence; lengths they do
+    not divide are padded with masked tokens. Fully masked blocks are skipped (causal costs
     about half); rows that see no key return zeros with zero gradients.
     """
     spec = make_spec(q_BTHd.shape[-1], is_causal=is_causal, local_window_size=local_window_size,
-                     scale=scale, block_q=block_q, block_kv=block_kv)
+                     scale=scale, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must both be given or both be None.")
     i32 = lambda a: None if a is None else jnp.asarray(a, jnp.int32)

@@ -33,7 +33,8 @@ class CPAttention(nnx.Module):
     default to ``"auto"``: resolved when the layer is traced, from the mesh's chip
     and layout, by the measured rule in ``jax_cp._defaults`` (``resolved`` shows
     the choice and why); explicit values win. ``block_q``/``block_kv`` size the blockwise
-    kernel's tiles (``None``: ``jax_cp.kernels.auto_blocks``). ``self.spec`` is the validated
+    kernel's tiles (``None``: ``jax_cp.kernels.auto_blocks``); ``logits_soft_cap=c`` caps the
+    scaled logits to ``c * tanh(logits / c)``. ``self.spec`` is the validated
     ``AttentionSpec``.
     """
 
@@ -43,12 +44,13 @@ class CPAttention(nnx.Module):
                  kernel_init=nnx.initializers.lecun_normal(), overlap_chunks: int | str = AUTO,
                  kernel: str = "auto", kv_exchange=AUTO, fused_qkv_chunks: int | str = AUTO,
                  sharding: AttentionSharding | None = None, block_q: int | None = None,
-                 block_kv: int | None = None, rngs: nnx.Rngs):
+                 block_kv: int | None = None, logits_soft_cap: float | None = None, rngs: nnx.Rngs):
         self.spec = AttentionSpec(
             num_heads=num_heads, in_features=in_features, num_kv_heads=num_kv_heads, head_dim=head_dim,
             is_causal=is_causal, use_qk_norm=use_qk_norm, rope_theta=rope_theta, use_bias=use_bias,
             overlap_chunks=AUTO if overlap_chunks is None else overlap_chunks, kernel=kernel,
-            kv_exchange=kv_exchange, fused_qkv_chunks=fused_qkv_chunks, block_q=block_q, block_kv=block_kv)
+            kv_exchange=kv_exchange, fused_qkv_chunks=fused_qkv_chunks, block_q=block_q, block_kv=block_kv,
+            logits_soft_cap=logits_soft_cap)
         self.mesh, self.dtype = mesh, dtype
         specs = storage_specs(self.spec, mesh, sharding)
         for name, shape in param_shapes(self.spec).items():

@@ -31,6 +31,7 @@ class AttentionSpec:
     (the default): :meth:`resolve` fills them in for a mesh (``jax_cp._defaults.choose``).
     ``block_q``/``block_kv`` size the blockwise kernel's tiles (``None``: chosen from the local
     batch, heads and platform, ``jax_cp.kernels.auto_blocks``); splash and cuDNN pick their own.
+    ``logits_soft_cap=c`` caps the scaled logits to ``c * tanh(logits / c)`` before the mask.
     """
 
     num_heads: int
@@ -49,6 +50,7 @@ class AttentionSpec:
     kv_exchange: _exchanges.KVExchange | str = AUTO
     block_q: int | None = None
     block_kv: int | None = None
+    logits_soft_cap: float | None = None
 
     def __post_init__(self):
         set_ = partial_setattr(self)
@@ -77,6 +79,7 @@ class AttentionSpec:
         _kernels.check_kernel(self.kernel)
         _kernels.check_block("block_q", self.block_q)
         _kernels.check_block("block_kv", self.block_kv)
+        set_("logits_soft_cap", _kernels.check_soft_cap(self.logits_soft_cap))
         if self.kv_exchange != AUTO:
             set_("kv_exchange", _exchanges.resolve(self.kv_exchange))
             self.kv_exchange.check_kernel(self.kernel)

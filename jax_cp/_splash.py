@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_cp._blockwise import vma as _vma
+from jax_cp._blockwise import check_soft_cap, vma as _vma
 
 __all__ = ["splash_attention", "splash_unsupported_reason", "LANES", "RingStep", "ring_prepare", "ring_forward_step",
            "ring_backward_step"]
@@ -106,14 +106,14 @@ def _row_info(kv_keys, q_hi, q_lo, *, T):
     return tuple(m._replace(q_sequence=hi) for m in (fwd, dq, dkv)), has_key
 
 
-def _static(Tp: int, Sp: int, interpret: bool) -> tuple:
+def _static(Tp: int, Sp: int, interpret: bool, soft_cap: float | None = None) -> tuple:
     """The kernel's static settings for padded lengths ``Tp`` x ``Sp`` (hashable)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     bq, bk = _block(Tp), _block(Sp)
     sizes = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
                           block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
-    return tuple(sorted({**_kernel_kwargs(sizes, interpret), "save_residuals": False}.items()))
+    return tuple(sorted({**_kernel_kwargs(sizes, interpret, soft_cap), "save_residuals": False}.items()))
 
 
 def _segment_ids(qseg, qseg0, kseg_s):
@@ -122,7 +122,7 @@ def _segment_ids(qseg, qseg0, kseg_s):
     return None if qseg is None else sa.SegmentIds(q=qseg0, kv=kseg_s)
 
 
-def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, *, T, S, is_causal, interpret):
+def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, *, T, S, is_causal, interpret, soft_cap=None):
     """One batch row, already padded to block multiples; returns ``o_HTd`` and ``has_key_T``."""
     Tp, Sp = q_HTd.shape[1], k_KSd.shape[1]
     perm, kv_keys = _sort_keys(kpos, kseg, S)
@@ -131,7 +131,7 @@ def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, *, T, S, is_causal, in
     zeros, imax = jnp.zeros(Tp, jnp.int32), jnp.full(Tp, _IMAX, jnp.int32)
     q_hi = (zeros, qseg0, qpos if is_causal else imax)
     infos, has_key = _row_info(kv_keys, q_hi, (zeros, qseg0 - 1, imax), T=T)  # lo: keys of earlier segments
-    static = _static(Tp, Sp, interpret)
+    static = _static(Tp, Sp, interpret, soft_cap)
     return _unchecked_call(static, infos, q_HTd, k_KSd, v_KSd, _segment_ids(qseg, qseg0, kseg_s)), has_key
 
 
@@ -204,17 +204,18 @@ def _below_bound_class():
     return BelowBound
 
 
-def _kernel_kwargs(sizes, interpret: bool) -> dict:
+def _kernel_kwargs(sizes, interpret: bool, soft_cap: float | None = None) -> dict:
     """The kernel's static settings, taken from a one-block template (no mask processing at scale)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     mask = sa.MultiHeadMask([_below_bound_class()((sizes.block_q, sizes.block_kv))])
-    return sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret).kwargs
+    return sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret,
+                              attn_logits_soft_cap=soft_cap).kwargs
 
 
 def splash_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
-    is_causal=False, local_window_size=None, scale=None, interpret: bool = False,
+    is_causal=False, local_window_size=None, scale=None, logits_soft_cap=None, interpret: bool = False,
 ):
     """Splash attention with our data-defined masks (causal/full, segments; no window).
 
@@ -225,12 +226,13 @@ def splash_attention(
     if reason:
         raise ValueError(f"kernel='splash': {reason}; use kernel='blockwise' (or 'auto').")
     return _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                       is_causal=bool(is_causal), scale=scale, interpret=bool(interpret))
+                       is_causal=bool(is_causal), scale=scale, interpret=bool(interpret),
+                       soft_cap=check_soft_cap(logits_soft_cap))
 
 
-@partial(jax.jit, static_argnames=("is_causal", "scale", "interpret"))
+@partial(jax.jit, static_argnames=("is_causal", "scale", "interpret", "soft_cap"))
 def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids, kv_segment_ids, *,
-                is_causal, scale, interpret):
+                is_causal, scale, interpret, soft_cap):
     """Jitted so that eager ``shard_map`` sees one primitive (the kernel is traced unchecked inside)."""
     B, T, H, d = q_BTHd.shape
     S = k_BSKd.shape[1]
@@ -243,7 +245,8 @@ def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids
     qseg, kseg = _pad_seq(i32(q_segment_ids), Tp), _pad_seq(i32(kv_segment_ids), Sp)
 
     def row(q, k, v, qpos, kpos, qseg, kseg):
-        return _one_row(q, k, v, qpos, kpos, qseg, kseg, T=T, S=S, is_causal=is_causal, interpret=interpret)
+        return _one_row(q, k, v, qpos, kpos, qseg, kseg, T=T, S=S, is_causal=is_causal, interpret=interpret,
+                        soft_cap=soft_cap)
 
     o_BHTd, has_key_BT = jax.vmap(row)(q, k, v, qpos, kpos, qseg, kseg)
     o = jnp.swapaxes(o_BHTd, 1, 2)[:, :T]
@@ -266,7 +269,7 @@ class RingStep:
     static: tuple  # the kernel's keyword arguments
 
 
-def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, interpret):
+def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, interpret, soft_cap=None):
     """``(q [B, H, Tp, d] scaled, q metadata, home chunk, RingStep)``. The home chunk is
     ``(k [B, K, Tp, d], v, positions, segments)`` with each row's keys sorted by (segment,
     position); padding keys (beyond the chunk, or of a negative segment) carry segment
@@ -290,7 +293,8 @@ def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, in
     kx, vx = (jnp.take_along_axis(jnp.swapaxes(_pad_seq(a, Tp), 1, 2), perm[:, None, :, None], axis=2)
               for a in (k_BTKd, v_BTKd))
     qm = (pos, seg)
-    return qx, qm, (kx, vx, *keys), RingStep(T, bool(is_causal), seg is not None, _static(Tp, Tp, interpret))
+    return qx, qm, (kx, vx, *keys), RingStep(T, bool(is_causal), seg is not None,
+                                             _static(Tp, Tp, interpret, soft_cap))
 
 
 def _row_kernel_args(step: RingStep, kv, qm):

@@ -9,14 +9,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_cp._blockwise import auto_blocks, blockwise_attention, check_block
+from jax_cp._blockwise import auto_blocks, blockwise_attention, check_block, check_soft_cap
 from jax_cp._cudnn import cudnn_attention, cudnn_unsupported_reason
 from jax_cp._masks import Window, normalize_window, visible
 from jax_cp._splash import splash_attention, splash_unsupported_reason
 
 __all__ = [
-    "KERNELS", "auto_blocks", "blockwise_attention", "check_block", "check_kernel", "cudnn_attention",
-    "dense_attention", "describe",
+    "KERNELS", "auto_blocks", "blockwise_attention", "check_block", "check_kernel", "check_soft_cap",
+    "cudnn_attention", "dense_attention", "describe",
     "local_attention", "select_kernel", "splash_attention", "target_platform",
 ]
 
@@ -25,7 +25,7 @@ KERNELS = ("auto", "blockwise", "xla", "splash", "cudnn")
 
 def dense_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
-    is_causal=False, local_window_size: Window = None, scale=None,
+    is_causal=False, local_window_size: Window = None, scale=None, logits_soft_cap=None,
 ):
     """Materialises the ``[T, S]`` scores (memory quadratic in S); float32 softmax."""
     B, T, H, d = q_BTHd.shape
@@ -33,6 +33,8 @@ def dense_attention(
     scale = d**-0.5 if scale is None else scale
     q_BTKGd = q_BTHd.reshape(B, T, K, H // K, d)
     s = jnp.einsum("btkgd,bskd->bkgts", q_BTKGd, k_BSKd, preferred_element_type=jnp.float32) * scale
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
     mask = visible(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                    is_causal=is_causal, window=normalize_window(local_window_size))[:, None, None]
     s = jnp.where(mask, s, -1e30)
@@ -62,7 +64,7 @@ def target_platform() -> str:
 
 
 def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window, has_segments: bool,
-                  dtype, head_dim: int) -> str:
+                  dtype, head_dim: int, soft_cap: bool = False) -> str:
     """Resolves ``"auto"`` and checks that an explicit choice can serve the mask.
 
     ``"auto"``: splash on TPU, cuDNN on GPU when the mask is expressible there,
@@ -72,7 +74,7 @@ def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window
     check_kernel(kernel)
     splash_why = splash_unsupported_reason(window=window)
     cudnn_why = cudnn_unsupported_reason(is_causal=is_causal, window=window, has_segments=has_segments,
-                                         dtype=dtype, head_dim=head_dim)
+                                         dtype=dtype, head_dim=head_dim, soft_cap=soft_cap)
     if kernel == "auto":
         if platform == "tpu" and splash_why is None:
             return "splash"
@@ -92,7 +94,7 @@ def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window
 
 def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=None,
              is_causal: bool = False, local_window_size: Window = None, has_segments: bool = False,
-             dtype=jnp.bfloat16, head_dim: int = 128) -> str:
+             dtype=jnp.bfloat16, head_dim: int = 128, logits_soft_cap=None) -> str:
     """One line: the kernel a call runs on ``platform`` (default: the default backend) and why.
 
     ``kv_exchange``: a ``jax_cp.exchanges`` value or name (default: the default exchange).
@@ -106,8 +108,9 @@ def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=N
     exchange.check_kernel(kernel)  # e.g. the ring refuses kernels without a log-sum-exp
     platform = platform or target_platform()
     window = normalize_window(local_window_size)
+    soft_cap = logits_soft_cap is not None
     chosen = select_kernel(kernel, platform=platform, is_causal=is_causal, window=window,
-                           has_segments=has_segments, dtype=dtype, head_dim=head_dim)
+                           has_segments=has_segments, dtype=dtype, head_dim=head_dim, soft_cap=soft_cap)
     if kernel != "auto":
         return f"{chosen} (explicit)"
     runs, why = exchange.step_kernel(chosen)
@@ -116,7 +119,7 @@ def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=N
     if chosen == "blockwise":
         why = {"tpu": splash_unsupported_reason(window=window),
                "gpu": cudnn_unsupported_reason(is_causal=is_causal, window=window, has_segments=has_segments,
-                                               dtype=dtype, head_dim=head_dim)}.get(platform)
+                                               dtype=dtype, head_dim=head_dim, soft_cap=soft_cap)}.get(platform)
         return f"blockwise (auto on {platform}" + (f": {why})" if why else ": the portable kernel)")
     return f"{chosen} (auto on {platform})"
 
@@ -124,6 +127,7 @@ def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=N
 def local_attention(
     q_BTHd, k_BSKd, v_BSKd, *, kernel: str = "auto", q_positions, kv_positions, q_segment_ids=None,
     kv_segment_ids=None, is_causal=False, local_window_size=None, scale=None, block_q=None, block_kv=None,
+    logits_soft_cap=None,
 ):
     """Runs the selected kernel (see ``KERNELS``, ``select_kernel``) on one device's share.
 
@@ -131,9 +135,11 @@ def local_attention(
     platform kernels choose their own."""
     window = normalize_window(local_window_size)
     chosen = select_kernel(kernel, platform=target_platform(), is_causal=is_causal, window=window,
-                           has_segments=q_segment_ids is not None, dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1])
+                           has_segments=q_segment_ids is not None, dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1],
+                           soft_cap=logits_soft_cap is not None)
     kw = dict(q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
-              kv_segment_ids=kv_segment_ids, is_causal=is_causal, local_window_size=window, scale=scale)
+              kv_segment_ids=kv_segment_ids, is_causal=is_causal, local_window_size=window, scale=scale,
+              logits_soft_cap=logits_soft_cap)
     if chosen == "xla":
         return dense_attention(q_BTHd, k_BSKd, v_BSKd, **kw)
     if chosen == "blockwise":

@@ -41,6 +41,7 @@ class CPAttention(nn.Module):
     sharding: AttentionSharding | None = None
     block_q: int | None = None
     block_kv: int | None = None
+    logits_soft_cap: float | None = None
 
     @property
     def spec(self) -> AttentionSpec:
@@ -49,7 +50,8 @@ class CPAttention(nn.Module):
             head_dim=self.head_dim, is_causal=self.is_causal, use_qk_norm=self.use_qk_norm,
             rope_theta=self.rope_theta, use_bias=self.use_bias, kernel=self.kernel, kv_exchange=self.kv_exchange,
             overlap_chunks=AUTO if self.overlap_chunks is None else self.overlap_chunks,
-            fused_qkv_chunks=self.fused_qkv_chunks, block_q=self.block_q, block_kv=self.block_kv)
+            fused_qkv_chunks=self.fused_qkv_chunks, block_q=self.block_q, block_kv=self.block_kv,
+            logits_soft_cap=self.logits_soft_cap)
 
     @nn.compact
     def __call__(self, x, *, positions=None, segment_ids=None, local_window_size=None):

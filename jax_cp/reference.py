@@ -19,10 +19,11 @@ __all__ = ["Attention", "attend", "attention_layer", "dot_product_attention"]
 
 def attend(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
-    is_causal=False, local_window_size=None, scale=None,
+    is_causal=False, local_window_size=None, scale=None, logits_soft_cap=None,
 ):
     """Dense masked attention in BSHD layout with explicit positions, float32 math.
 
+    ``logits_soft_cap=c``: the scaled logits become ``c * tanh(logits / c)`` before the mask.
     Rows with no visible key return zeros (and get zero gradients).
     """
     H, K = q_BTHd.shape[2], k_BSKd.shape[2]
@@ -31,6 +32,8 @@ def attend(
     k = jnp.repeat(k_BSKd.astype(jnp.float32), H // K, axis=2)
     v = jnp.repeat(v_BSKd.astype(jnp.float32), H // K, axis=2)
     s_BHTS = jnp.einsum("bthd,bshd->bhts", q, k) * scale
+    if logits_soft_cap is not None:
+        s_BHTS = logits_soft_cap * jnp.tanh(s_BHTS / logits_soft_cap)
     mask_BTS = visible(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                        is_causal=is_causal, window=normalize_window(local_window_size))
     mask = mask_BTS[:, None]
@@ -43,7 +46,7 @@ def attend(
 
 def dot_product_attention(
     query, key, value, *, is_causal=False, scale=None, layout="BSHD",
-    positions=None, segment_ids=None, local_window_size=None,
+    positions=None, segment_ids=None, local_window_size=None, logits_soft_cap=None,
 ):
     """The single-device twin of :func:`jax_cp.dot_product_attention`.
 
@@ -62,7 +65,7 @@ def dot_product_attention(
         segment_ids = jnp.broadcast_to(segment_ids, (B, S))
     out = attend(query, key, value, q_positions=positions, kv_positions=positions,
                  q_segment_ids=segment_ids, kv_segment_ids=segment_ids, is_causal=is_causal,
-                 local_window_size=local_window_size, scale=scale)
+                 local_window_size=local_window_size, scale=scale, logits_soft_cap=logits_soft_cap)
     return jnp.swapaxes(out, 1, 2) if layout == "BNSD" else out
 
 
@@ -86,7 +89,8 @@ def attention_layer(params: dict, x_BSD, *, spec: AttentionSpec, dtype=None, pos
     if spec.rope_theta is not None:
         q, k = apply_rope(q, pos, spec.rope_theta), apply_rope(k, pos, spec.rope_theta)
     o = attend(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
-               is_causal=spec.is_causal, local_window_size=local_window_size, scale=scale)
+               is_causal=spec.is_causal, local_window_size=local_window_size, scale=scale,
+               logits_soft_cap=spec.logits_soft_cap)
     y = jnp.einsum("bshe,hed->bsd", o, w["o_kernel"])
     if spec.use_bias:
         y = y + w["o_bias"][None, None]

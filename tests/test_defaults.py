@@ -116,12 +116,20 @@ PLAIN = dict(kv_exchange="all_gather", overlap_chunks=1, fused_qkv_chunks=0)  # 
 
 def test_defaults_hide_the_hybrid_layer_in_the_tpu_schedule():
     """v5e:2x4 (2,2,2), 32 heads / 8 kv heads, S=4096: with nothing set, every CP collective of
-    forward and backward has compute inside it; the plain layer leaves most forward bytes exposed."""
+    forward and backward has compute inside it; the plain layer leaves most forward bytes exposed.
+    The defaults are kv_exchange='all_to_all' in 2 chunks, so this also checks the Q-gradient tie:
+    chunk 1's projected Q is tied to chunk 2's Q weight (``tie_cotangents``), so chunk 1's
+    Q-projection backward waits for chunk 2's weight gradient and XLA puts that matmul inside chunk
+    1's Q-gradient all-to-all (without the tie it stays empty: 7 of 8 backward all-to-all bytes
+    hidden); every backward Ulysses all-to-all (per chunk: output gradient, Q gradient) is async and
+    encloses compute."""
     pytest.importorskip("libtpu", reason="the TPU schedule comes from the libtpu wheel's compiler")
     r, cp, overlap = _overlaps((2, 2, 2))
     assert (r.layer.kv_exchange, r.layer.overlap_chunks, r.layer.fused_qkv_chunks) == ("all_to_all", 2, 0)
     assert "measured" in r.defaults and "auto (kv_exchange, overlap_chunks, fused_qkv_chunks)" in str(r)
     assert cp and all(c.overlapped for c in cp), [(c.kind, c.phase) for c in cp if not c.overlapped]
+    bwd_ulysses = [c for c in r.analysis.schedule.select("bwd") if c.axes == ("cp_ulysses",)]
+    assert len(bwd_ulysses) == 4 and all(c.is_async for c in bwd_ulysses), [(c.name, c.is_async) for c in bwd_ulysses]
     _, plain_cp, plain = _overlaps((2, 2, 2), **PLAIN)
     assert overlap == (1.0, 1.0) and plain[0] < 0.5 and not all(c.overlapped for c in plain_cp)
 

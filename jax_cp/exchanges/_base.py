@@ -82,4 +82,5 @@ def attend_gathered(q_BTHd, kv_BS2Kd, meta: Meta, spec):
         q_BTHd, kv_BS2Kd[:, :, 0], kv_BS2Kd[:, :, 1], kernel=spec.kernel, q_positions=pos,
         kv_positions=meta.pos, q_segment_ids=seg, kv_segment_ids=meta.seg, is_causal=spec.is_causal,
         local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q, block_kv=spec.block_kv,
+        logits_soft_cap=spec.logits_soft_cap,
     )

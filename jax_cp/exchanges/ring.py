@@ -163,20 +163,21 @@ _splash_ring.defvjp(_splash_ring_fwd, _splash_ring_bwd)
 
 
 def splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_name: str, is_causal=False,
-                          scale=None, interpret: bool = False):
+                          scale=None, logits_soft_cap=None, interpret: bool = False):
     """As :func:`ring_attention` (no window) with the splash kernel in every step.
 
     ``interpret=True`` runs the Pallas kernels in interpret mode (any backend; for tests)."""
     T = q_BTHd.shape[1]
     qx, qm, home, step = sp.ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, scale=scale,
-                                         is_causal=is_causal, interpret=interpret)
+                                         is_causal=is_causal, interpret=interpret,
+                                         soft_cap=bw.check_soft_cap(logits_soft_cap))
     o = _splash_ring(qx, qm, home, axis_name, step)
     return jnp.swapaxes(o[:, :, :T], 1, 2)
 
 
 def ring_attention(
     q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_name: str, is_causal=False, local_window_size=None,
-    scale=None, block_q: int | None = None, block_kv: int | None = None,
+    scale=None, block_q: int | None = None, block_kv: int | None = None, logits_soft_cap=None,
 ):
     """Attention of this device's chunk to every chunk on the ``axis_name`` ring (inside ``shard_map``).
 
@@ -185,7 +186,7 @@ def ring_attention(
     blockwise attention.
     """
     spec = bw.make_spec(q_BTHd.shape[-1], is_causal=is_causal, local_window_size=local_window_size,
-                        scale=scale, block_q=block_q, block_kv=block_kv)
+                        scale=scale, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap)
     pos = jnp.asarray(pos_BT, jnp.int32)
     seg = None if seg_BT is None else jnp.asarray(seg_BT, jnp.int32)
     return _ring(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name, spec)
@@ -215,7 +216,8 @@ class Ring(KVExchange):
         there (no window), blockwise otherwise; an explicit choice that cannot serve raises."""
         chosen = _kernels.select_kernel(spec.kernel, platform=_kernels.target_platform(), is_causal=spec.is_causal,
                                         window=normalize_window(spec.local_window_size), has_segments=has_segments,
-                                        dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1])
+                                        dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1],
+                                        soft_cap=spec.logits_soft_cap is not None)
         return self.step_kernel(chosen)[0]
 
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec):
@@ -223,7 +225,8 @@ class Ring(KVExchange):
         if self.kernel(spec, q_BTHd, seg is not None) == "splash":
             return splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL,
                                          is_causal=spec.is_causal, scale=spec.scale,
+                                         logits_soft_cap=spec.logits_soft_cap,
                                          interpret=_kernels.target_platform() != "tpu")
         return ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL, is_causal=spec.is_causal,
                               local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q,
-                              block_kv=spec.block_kv)
+                              block_kv=spec.block_kv, logits_soft_cap=spec.logits_soft_cap)
