@@ -25,3 +25,13 @@ def needs_devices(n: int):
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
     assert jax.device_count() == N_DEVICES, jax.devices()
+
+
+# Files whose tests take tens of seconds each (notebooks, training subprocesses, TPU compiles):
+# collected first, so that xdist's workers start them early and the run does not end on one of them.
+_HEAVY_FIRST = ("test_notebooks.py", "test_defaults.py", "test_train.py", "test_plan.py", "test_readme.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept within
