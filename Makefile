@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.jax_cp-installed
-PYTEST_ARGS ?= -n 3 --dist worksteal --durations=25
+PYTEST_ARGS ?= -n 2 --dist worksteal --durations=25
 PIP_FLAGS ?=
 PYTHON312 ?= $(shell .ci/find-python312)
 
