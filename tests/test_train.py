@@ -409,3 +409,37 @@ def test_plan_cli(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
+
+
+@needs_devices(8)
+def test_soft_capped_model_trains_like_one_device():
+    """``LlamaConfig(logits_soft_cap=...)`` reaches every layer: 3 Adam steps on a (2,2,2) mesh give the
+    one-device losses (float32), the loss falls, and the cap changes the loss."""
+    import dataclasses
+
+    import optax
+
+    cfg = dataclasses.replace(llama.CONFIGS["tiny"], num_layers=1, logits_soft_cap=0.5)
+    assert cfg.attention.logits_soft_cap == 0.5
+
+    def losses(mesh, cfg):
+        batch = _batch(mesh, B=2)
+        with jax.set_mesh(mesh):
+            model = nnx.jit(lambda: llama.Llama(cfg, mesh=mesh, dtype=jnp.float32, rngs=nnx.Rngs(0)))()
+            opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+            @nnx.jit
+            def step(model, opt, batch):
+                (loss, _), grads = nnx.value_and_grad(llama.next_token_loss, has_aux=True)(model, batch)
+                opt.update(model, grads)
+                return loss
+
+            return [float(step(model, opt, batch)) for _ in range(3)]
+
+    cp = losses(jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2, axis_types=AxisType.Auto), cfg)
+    one = losses(jax_cp.make_mesh(devices=jax.devices()[:1], axis_types=AxisType.Auto), cfg)
+    np.testing.assert_allclose(cp, one, **TOL[jnp.dtype(jnp.float32)])
+    assert cp[-1] < cp[0]
+    uncapped = losses(jax_cp.make_mesh(devices=jax.devices()[:1], axis_types=AxisType.Auto),
+                      dataclasses.replace(cfg, logits_soft_cap=None))
+    assert abs(uncapped[1] - one[1]) > 1e-4
