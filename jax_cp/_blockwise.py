@@ -46,13 +46,9 @@ class Spec:
     block_kv: int | None
     soft_cap: float | None = None  # logits -> soft_cap * tanh(logits / soft_cap), before the mask
 
-    def logits(self, s):
-        """Scaled (and soft-capped) logits of the raw scores ``s``."""
-        s = s * self.scale
-        return s if self.soft_cap is None else self.soft_cap * jnp.tanh(s / self.soft_cap)
-
     def logits_and_slope(self, s):
-        """``(logits, d logits / d s)``; without a cap the slope is the constant ``scale``."""
+        """``(logits, d logits / d s)`` of the raw scores ``s``: scaled, then soft-capped if set (one
+        formula for the forward and the backward's recompute); without a cap the slope is ``scale``."""
         if self.soft_cap is None:
             return s * self.scale, self.scale
         t = jnp.tanh(s * (self.scale / self.soft_cap))
@@ -111,11 +107,15 @@ def auto_blocks(batch: int, heads: int, platform: str | None = None) -> tuple[in
     return bq, bk
 
 
-def _spec_blocks(spec: Spec, B: int, H: int) -> tuple[int, int]:
-    if spec.block_q is not None and spec.block_kv is not None:
-        return spec.block_q, spec.block_kv
-    bq, bk = auto_blocks(B, H)
-    return spec.block_q or bq, spec.block_kv or bk
+def _padded_blocks(spec: Spec, q_BTHd, k_BSKd) -> tuple[int, int, int, int]:
+    """``(block_q, padded T, block_kv, padded S)``: the spec's blocks (``auto_blocks`` for those it
+    leaves ``None``), clamped to the lengths."""
+    (B, T, H), S = q_BTHd.shape[:3], k_BSKd.shape[1]
+    block_q, block_kv = spec.block_q, spec.block_kv
+    if block_q is None or block_kv is None:
+        auto_q, auto_kv = auto_blocks(B, H)
+        block_q, block_kv = block_q or auto_q, block_kv or auto_kv
+    return (*_blocks(T, block_q), *_blocks(S, block_kv))
 
 
 def _blocks(length: int, block: int) -> tuple[int, int]:
@@ -243,7 +243,7 @@ def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int,
             j = order[n]
             s = jnp.einsum("bkgqd,bkdc->bkgqc", q, kT_MBKdC[j], preferred_element_type=jnp.float32)
             mask = _block_mask(qpos, qseg, qval, kpos[j], kseg[j], kval[j], spec, has_seg)
-            s = jnp.where(mask, spec.logits(s), NEG)  # the one select on the tile
+            s = jnp.where(mask, spec.logits_and_slope(s)[0], NEG)  # the one select on the tile
             m_new = jnp.maximum(m, s.max(-1))
             shift = _safe(m_new)
             p = jnp.exp(s - shift[..., None])
@@ -329,10 +329,8 @@ def forward(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, state=None):
     ``state=(o, lse)`` of earlier keys continues that softmax (the ring's merge,
     without a second output buffer).
     """
-    (B, T, H), S = q_BTHd.shape[:3], k_BSKd.shape[1]
-    block_q, block_kv = _spec_blocks(spec, B, H)
-    bq, Tp = _blocks(T, block_q)
-    bk, Sp = _blocks(S, block_kv)
+    T, S = q_BTHd.shape[1], k_BSKd.shape[1]
+    bq, Tp, bk, Sp = _padded_blocks(spec, q_BTHd, k_BSKd)
     if state is not None:
         state = (_pad(state[0], Tp), _pad(state[1], Tp, NEG))
     o, lse = _fwd_padded(_pad(q_BTHd, Tp), _pad(k_BSKd, Sp), _pad(v_BSKd, Sp),
@@ -347,10 +345,8 @@ def backward(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm: Meta, km: 
     ``delta`` and summing gives the full gradient (what the ring does; ``dq``
     is added to, in place).
     """
-    (B, T, H), S = q_BTHd.shape[:3], k_BSKd.shape[1]
-    block_q, block_kv = _spec_blocks(spec, B, H)
-    bq, Tp = _blocks(T, block_q)
-    bk, Sp = _blocks(S, block_kv)
+    T, S = q_BTHd.shape[1], k_BSKd.shape[1]
+    bq, Tp, bk, Sp = _padded_blocks(spec, q_BTHd, k_BSKd)
     dq, dk, dv = _bwd_padded(_pad(q_BTHd, Tp), _pad(k_BSKd, Sp), _pad(v_BSKd, Sp), _pad(do_BTHd, Tp),
                              _pad(lse_BTH, Tp), _pad(delta_BTH, Tp), _pad_meta(qm, Tp), _pad_meta(km, Sp),
                              spec, bq, bk, None if dq is None else _pad(dq, Tp))
