@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jax_cp._blockwise import check_sinks
 from jax_cp._defaults import AUTO
 from jax_cp._body import GivenQKV, attention_shard, check_dtype, placed_metadata, shard_call
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place
@@ -29,8 +30,8 @@ LAYOUTS = ("BSHD", "BNSD")
 X_SPEC = P(DP, CP, TP, None)  # [B, S, H, d]
 
 
-def _shard_fn(q, k, v, pos_BS, seg_BS=None, *, spec):
-    return attention_shard(GivenQKV(q, k, v), pos_BS, seg_BS, spec=spec)
+def _shard_fn(q, k, v, sinks, pos_BS, seg_BS=None, *, spec):
+    return attention_shard(GivenQKV(q, k, v, sinks), pos_BS, seg_BS, spec=spec)
 
 
 def _check_qkv(query, key, value, layout):
@@ -58,7 +59,7 @@ def _check_qkv(query, key, value, layout):
 def dot_product_attention(
     query, key, value, *, mesh, is_causal=False, scale=None, layout="BSHD",
     positions=None, segment_ids=None, local_window_size=None,
-    kernel="auto", kv_exchange=AUTO, block_q=None, block_kv=None, logits_soft_cap=None,
+    kernel="auto", kv_exchange=AUTO, block_q=None, block_kv=None, logits_soft_cap=None, sinks=None,
 ):
     """Context-parallel counterpart of ``jax.nn.dot_product_attention``.
 
@@ -74,7 +75,9 @@ def dot_product_attention(
     ``block_q``/``block_kv`` size the blockwise kernel's tiles on each device (``None``: from the
     local batch, heads and platform, ``jax_cp.kernels.auto_blocks``). ``logits_soft_cap=c`` caps
     the scaled logits to ``c * tanh(logits / c)`` before the mask (Gemma 2), on every kernel but cuDNN
-    (``"auto"`` then runs blockwise on GPU).
+    (``"auto"`` then runs blockwise on GPU). ``sinks``, a ``[H]`` float array, gives each query head
+    a learned sink logit that joins its softmax denominator once (after every key, on every device
+    and ring step) and contributes no value (GPT-OSS); gradients flow to it. Not on cuDNN.
     """
     dims = mesh_dims(mesh)
     query, key, value = _check_qkv(query, key, value, layout)
@@ -90,7 +93,9 @@ def dot_product_attention(
     meta, meta_specs = placed_metadata(positions, segment_ids, B, S, mesh)
     if rep > 1:
         key, value = (jnp.repeat(a, rep, axis=2) for a in (key, value))
-    args = [place(a, mesh, X_SPEC) for a in (query, key, value)] + meta
-    in_specs = [X_SPEC] * 3 + meta_specs
+    if sinks is not None:
+        sinks = place(check_sinks(sinks, H), mesh, P(TP))
+    args = [place(a, mesh, X_SPEC) for a in (query, key, value)] + [sinks] + meta
+    in_specs = [X_SPEC] * 3 + [P(TP)] + meta_specs
     out = shard_call(partial(_shard_fn, spec=spec), mesh, tuple(in_specs), X_SPEC, args)
     return jnp.swapaxes(out, 1, 2) if layout == "BNSD" else out

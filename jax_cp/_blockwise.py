@@ -21,7 +21,7 @@ from jax import lax
 from jax_cp._masks import Window, normalize_window, visible
 
 __all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "auto_blocks", "check_block", "check_soft_cap",
-           "forward", "backward", "varying", "vma", "NEG"]
+           "check_sinks", "fold_sinks", "sinks_grad", "forward", "backward", "varying", "vary_as", "vma", "NEG"]
 
 NEG = -1e30  # finite minus-infinity: masked scores, and the lse of rows that see no key
 _IMAX, _IMIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
@@ -202,6 +202,40 @@ def varying(refs, *xs):
     return tuple(lax.pcast(x, tuple(sorted(axes)), to="varying") for x in xs)
 
 
+def vary_as(x, *refs):
+    """``x`` retyped to vary over the manual axes the ``refs`` vary over (no data movement; ``None``
+    passes). A differentiable input of a ``custom_vjp`` typed so gets a cotangent of its own type."""
+    if x is None:
+        return None
+    want, have = frozenset().union(*(vma(r) for r in jax.tree.leaves(refs))), vma(x)
+    return lax.pcast(x, tuple(sorted(want - have)), to="varying") if want - have else x
+
+
+def _sink_like(sinks_H, lse, head_axis: int):
+    shape = [1] * lse.ndim
+    shape[head_axis] = -1
+    return sinks_H.astype(jnp.float32).reshape(shape)
+
+
+def fold_sinks(o, lse, sinks_H, head_axis: int = -1):
+    """The attention sinks join every row's softmax once, after all its keys: ``(o, lse)`` of the
+    keys (float32; ``o`` has ``lse``'s axes plus the head dim) -> ``(o, lse)`` of the keys and the
+    sink logit, which adds to the denominator and contributes no value. ``None`` sinks: unchanged."""
+    if sinks_H is None:
+        return o, lse
+    new = jnp.logaddexp(lse, _sink_like(sinks_H, lse, head_axis))
+    return o * jnp.exp(lse - new)[..., None], new
+
+
+def sinks_grad(sinks_H, lse, delta, head_axis: int = -1):
+    """``d loss / d sinks``: ``-sum(p_sink * delta)`` over every axis but the heads, where ``p_sink =
+    exp(sink - lse)`` is the sink's share of the (folded) softmax and ``delta = sum(do * o, -1)``."""
+    if sinks_H is None:
+        return None
+    g = -jnp.exp(_sink_like(sinks_H, lse, head_axis) - lse) * delta
+    return jnp.moveaxis(g, head_axis, -1).reshape(-1, sinks_H.shape[0]).sum(0).astype(sinks_H.dtype)
+
+
 def _meta_blocks(m: Meta, block: int):
     seg = m.pos if m.seg is None else m.seg  # placeholder when absent (ignored by the mask)
     return _split(m.pos, block), _split(seg, block), _split(m.valid, block)
@@ -353,23 +387,24 @@ def backward(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm: Meta, km: 
     return dq[:, :T], dk[:, :S], dv[:, :S]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, qm, km, spec):
-    return forward(q, k, v, qm, km, spec)[0].astype(q.dtype)
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, qm, km, sinks, spec):
+    return _attention_fwd(q, k, v, qm, km, sinks, spec)[0]
 
 
-def _attention_fwd(q, k, v, qm, km, spec):
-    o, lse = forward(q, k, v, qm, km, spec)
+def _attention_fwd(q, k, v, qm, km, sinks, spec):
+    o, lse = fold_sinks(*forward(q, k, v, qm, km, spec), sinks)
     o = o.astype(q.dtype)
-    return o, (q, k, v, o, lse, qm, km)
+    return o, (q, k, v, o, lse, qm, km, sinks)
 
 
 def _attention_bwd(spec, res, do):
-    q, k, v, o, lse, qm, km = res
+    q, k, v, o, lse, qm, km, sinks = res
     delta = jnp.einsum("bthd,bthd->bth", do.astype(jnp.float32), o.astype(jnp.float32))
     dq, dk, dv = backward(q, k, v, do, lse, delta, qm, km, spec)
     zero_meta = lambda m: jax.tree.map(lambda _: None, m)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zero_meta(qm), zero_meta(km)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zero_meta(qm), zero_meta(km),
+            sinks_grad(sinks, lse, delta))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -378,10 +413,12 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def blockwise_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     is_causal=False, local_window_size=None, scale=None, block_q: int | None = None, block_kv: int | None = None,
-    logits_soft_cap: float | None = None,
+    logits_soft_cap: float | None = None, sinks=None,
 ):
     """Masked attention with memory linear in ``S``; same contract as ``dense_attention``.
 
+    ``sinks [H]``: one learned logit per query head that joins every row's softmax denominator
+    and contributes no value (GPT-OSS), with its gradient.
     ``logits_soft_cap=c`` caps the scaled logits to ``c * tanh(logits / c)`` before the mask (Gemma
     2), with its exact gradient. ``block_q``/``block_kv`` default to ``auto_blocks`` (from the
     batch, the heads and the platform). Block sizes are clamped to the sequence; lengths they do
@@ -395,4 +432,15 @@ def blockwise_attention(
     i32 = lambda a: None if a is None else jnp.asarray(a, jnp.int32)
     qm = Meta(i32(q_positions), i32(q_segment_ids))
     km = Meta(i32(kv_positions), i32(kv_segment_ids))
-    return _attention(q_BTHd, k_BSKd, v_BSKd, qm, km, spec)
+    if sinks is not None:
+        sinks = vary_as(check_sinks(sinks, q_BTHd.shape[2]), q_BTHd, k_BSKd, v_BSKd, qm, km)
+    return _attention(q_BTHd, k_BSKd, v_BSKd, qm, km, sinks, spec)
+
+
+def check_sinks(sinks, num_heads: int):
+    """``sinks``: a floating ``[num_heads]`` array (one logit per query head)."""
+    shape, dtype = getattr(sinks, "shape", None), getattr(sinks, "dtype", None)
+    if shape != (num_heads,) or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"sinks (shape={shape}, dtype={dtype}) must be a floating array of shape "
+                         f"(num_heads,)=({num_heads},): one sink logit per query head.")
+    return sinks

@@ -7,6 +7,7 @@
       parts = projections.q_parts(i)         Q (or Q, K, V when chunk i is fused), QK-norm/RoPE applied
       q, *kv = seq_to_heads(parts)           the Ulysses exchange, one all-to-all
       o = exchange.attend(q, k, v, ...)      the K/V exchange over cp_colossal and the local kernel
+                                             (with the chunk's sink logits, projections.sinks(i), if any)
           (or exchange.attend_local(q, *projections.kv_parts(i), ...) when K/V were not fused)
       y += projections.output(i, o)          inverse all-to-all (+ output projection)
     projections.finish(y)                    psum over tp (+ output bias)
@@ -40,19 +41,33 @@ def attention_shard(projections, pos_BS, seg_BS, *, spec):
     for i in range(spec.overlap_chunks):
         # Chunk i's collectives depend on nothing of chunk i+1: XLA hides one under the other.
         q, *kv = seq_to_heads(projections.q_parts(i), ULYSSES)
+        sinks = ulysses_heads(projections.sinks(i))
         if kv:  # Q, K and V crossed cp_ulysses together
-            o = exchange.attend(q, *kv, meta, spec)
+            o = exchange.attend(q, *kv, meta, spec, sinks)
         else:  # K/V projected after Q's all-to-all was issued
-            o = exchange.attend_local(q, *projections.kv_parts(i), meta, spec)
+            o = exchange.attend_local(q, *projections.kv_parts(i), meta, spec, sinks)
         y = y + projections.output(i, o)
     return projections.finish(y)
 
 
-class GivenQKV:
-    """``dot_product_attention``'s projections: the given q, k, v, one chunk, no weights."""
+def ulysses_heads(x_H):
+    """Per-head values of a chunk's heads ``[H]`` -> those of the head group ``seq_to_heads`` hands
+    this device's ``cp_ulysses`` rank (``None`` passes)."""
+    u = lax.axis_size(ULYSSES)
+    if x_H is None or u == 1:
+        return x_H
+    n = x_H.shape[0] // u
+    return lax.dynamic_slice_in_dim(x_H, lax.axis_index(ULYSSES) * n, n)
 
-    def __init__(self, q, k, v):
-        self.q, self.k, self.v = q, k, v
+
+class GivenQKV:
+    """``dot_product_attention``'s projections: the given q, k, v (and sink logits), one chunk, no weights."""
+
+    def __init__(self, q, k, v, sinks=None):
+        self.q, self.k, self.v, self._sinks = q, k, v, sinks
+
+    def sinks(self, i):
+        return self._sinks
 
     def q_parts(self, i):
         return (self.q,)

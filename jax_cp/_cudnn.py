@@ -14,10 +14,13 @@ __all__ = ["cudnn_attention", "cudnn_unsupported_reason"]
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def cudnn_unsupported_reason(*, is_causal, window, has_segments, dtype, head_dim, soft_cap=False) -> str | None:
+def cudnn_unsupported_reason(*, is_causal, window, has_segments, dtype, head_dim, soft_cap=False,
+                             sinks=False) -> str | None:
     """Why cuDNN cannot serve this call (``None`` when it can)."""
     if soft_cap:
         return "logits_soft_cap is not an option of jax.nn.dot_product_attention's cuDNN path"
+    if sinks:
+        return "attention sinks are not an option of jax.nn.dot_product_attention's cuDNN path"
     if is_causal:
         return "is_causal=True over explicit positions is not a cuDNN index mask"
     if window is not None:

@@ -24,7 +24,8 @@ from jax_cp._spec import AttentionSpec, Layout, check_seq_batch
 __all__ = ["AttentionSharding", "init_param", "layer_forward", "param_shapes", "param_specs", "storage_specs"]
 
 X_SPEC = P(DP, CP, None)
-PARAMS = ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm")
+PARAMS = ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm",
+          "sinks")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,6 +48,7 @@ class AttentionSharding:
     o_bias: P | None = None
     q_norm: P | None = None
     k_norm: P | None = None
+    sinks: P | None = None
 
     def resolve(self, compute: dict[str, P]) -> dict[str, P]:
         """Storage specs of the parameters in ``compute`` (their compute specs)."""
@@ -61,6 +63,8 @@ def _compute_specs(spec: AttentionSpec, layout: Layout) -> dict[str, P]:
         specs |= {"q_bias": P(TP, None), "k_bias": kvb, "v_bias": kvb, "o_bias": P(None)}
     if spec.use_qk_norm:
         specs |= {"q_norm": P(None), "k_norm": P(None)}
+    if spec.use_sinks:
+        specs |= {"sinks": P(TP)}  # with the query heads
     return specs
 
 
@@ -81,11 +85,14 @@ def param_shapes(spec: AttentionSpec) -> dict[str, tuple[int, ...]]:
         shapes |= {"q_bias": (H, d), "k_bias": (K, d), "v_bias": (K, d), "o_bias": (D,)}
     if spec.use_qk_norm:
         shapes |= {"q_norm": (d,), "k_norm": (d,)}
+    if spec.use_sinks:
+        shapes |= {"sinks": (H,)}
     return shapes
 
 
 def init_param(name: str, shape, key, dtype, kernel_init):
-    """Kernels are initialised as 2-D ``[fan_in, fan_out]`` matrices, then reshaped."""
+    """Kernels are initialised as 2-D ``[fan_in, fan_out]`` matrices, then reshaped; norms to ones,
+    biases and sinks to zeros."""
     if name.endswith("_kernel"):
         fan_in = shape[0] if name != "o_kernel" else shape[0] * shape[1]
         flat = kernel_init(key, (fan_in, math.prod(shape) // fan_in), dtype)

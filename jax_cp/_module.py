@@ -34,7 +34,9 @@ class CPAttention(nnx.Module):
     and layout, by the measured rule in ``jax_cp._defaults`` (``resolved`` shows
     the choice and why); explicit values win. ``block_q``/``block_kv`` size the blockwise
     kernel's tiles (``None``: ``jax_cp.kernels.auto_blocks``); ``logits_soft_cap=c`` caps the
-    scaled logits to ``c * tanh(logits / c)``. ``self.spec`` is the validated
+    scaled logits to ``c * tanh(logits / c)``; ``use_sinks=True`` adds a ``sinks [num_heads]``
+    parameter (zeros, split over ``tp`` with the heads): a learned logit per query head joining its
+    softmax denominator once (GPT-OSS attention sinks). ``self.spec`` is the validated
     ``AttentionSpec``.
     """
 
@@ -44,13 +46,14 @@ class CPAttention(nnx.Module):
                  kernel_init=nnx.initializers.lecun_normal(), overlap_chunks: int | str = AUTO,
                  kernel: str = "auto", kv_exchange=AUTO, fused_qkv_chunks: int | str = AUTO,
                  sharding: AttentionSharding | None = None, block_q: int | None = None,
-                 block_kv: int | None = None, logits_soft_cap: float | None = None, rngs: nnx.Rngs):
+                 block_kv: int | None = None, logits_soft_cap: float | None = None, use_sinks: bool = False,
+                 rngs: nnx.Rngs):
         self.spec = AttentionSpec(
             num_heads=num_heads, in_features=in_features, num_kv_heads=num_kv_heads, head_dim=head_dim,
             is_causal=is_causal, use_qk_norm=use_qk_norm, rope_theta=rope_theta, use_bias=use_bias,
             overlap_chunks=AUTO if overlap_chunks is None else overlap_chunks, kernel=kernel,
             kv_exchange=kv_exchange, fused_qkv_chunks=fused_qkv_chunks, block_q=block_q, block_kv=block_kv,
-            logits_soft_cap=logits_soft_cap)
+            logits_soft_cap=logits_soft_cap, use_sinks=use_sinks)
         self.mesh, self.dtype = mesh, dtype
         specs = storage_specs(self.spec, mesh, sharding)
         for name, shape in param_shapes(self.spec).items():

@@ -191,6 +191,7 @@ class LinearProjections:
         self.wkv = list(zip(_chunks(wk, n, 1), _chunks(wv, n, 1)))
         self.wo = _chunks(w["o_kernel"], n, 0)
         self.b = list(zip(*(_chunks(bias, n, 0) for bias in b)))
+        self._sinks = _chunks(w.get("sinks"), n, 0)  # with the query heads of each chunk
         self.tie = spec.ties_chunks(layout.dims)
         self.wq_next = self.wq[0]  # the next chunk's Q weight (tied to this chunk's parts on hybrid layouts)
 
@@ -207,6 +208,9 @@ class LinearProjections:
             nxt = self.wq[i + 1]
             parts, self.wq_next = tie_cotangents(parts, nxt) if self.tie else (parts, nxt)
         return parts
+
+    def sinks(self, i):
+        return self._sinks[i]
 
     def kv_parts(self, i):
         return self._project(i, None, (1, 2))

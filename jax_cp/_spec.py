@@ -32,6 +32,8 @@ class AttentionSpec:
     ``block_q``/``block_kv`` size the blockwise kernel's tiles (``None``: chosen from the local
     batch, heads and platform, ``jax_cp.kernels.auto_blocks``); splash and cuDNN pick their own.
     ``logits_soft_cap=c`` caps the scaled logits to ``c * tanh(logits / c)`` before the mask.
+    ``use_sinks=True`` gives the layer a ``sinks [num_heads]`` parameter: one learned logit per query
+    head joining its softmax denominator (no value).
     """
 
     num_heads: int
@@ -51,6 +53,7 @@ class AttentionSpec:
     block_q: int | None = None
     block_kv: int | None = None
     logits_soft_cap: float | None = None
+    use_sinks: bool = False
 
     def __post_init__(self):
         set_ = partial_setattr(self)
@@ -80,6 +83,8 @@ class AttentionSpec:
         _kernels.check_block("block_q", self.block_q)
         _kernels.check_block("block_kv", self.block_kv)
         set_("logits_soft_cap", _kernels.check_soft_cap(self.logits_soft_cap))
+        if not isinstance(self.use_sinks, bool):
+            raise ValueError(f"use_sinks={self.use_sinks!r} must be True or False.")
         if self.kv_exchange != AUTO:
             set_("kv_exchange", _exchanges.resolve(self.kv_exchange))
             self.kv_exchange.check_kernel(self.kernel)

@@ -122,7 +122,7 @@ def _segment_ids(qseg, qseg0, kseg_s):
     return None if qseg is None else sa.SegmentIds(q=qseg0, kv=kseg_s)
 
 
-def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, *, T, S, is_causal, interpret, soft_cap=None):
+def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, sinks_H, *, T, S, is_causal, interpret, soft_cap=None):
     """One batch row, already padded to block multiples; returns ``o_HTd`` and ``has_key_T``."""
     Tp, Sp = q_HTd.shape[1], k_KSd.shape[1]
     perm, kv_keys = _sort_keys(kpos, kseg, S)
@@ -132,7 +132,7 @@ def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, *, T, S, is_causal, in
     q_hi = (zeros, qseg0, qpos if is_causal else imax)
     infos, has_key = _row_info(kv_keys, q_hi, (zeros, qseg0 - 1, imax), T=T)  # lo: keys of earlier segments
     static = _static(Tp, Sp, interpret, soft_cap)
-    return _unchecked_call(static, infos, q_HTd, k_KSd, v_KSd, _segment_ids(qseg, qseg0, kseg_s)), has_key
+    return _unchecked_call(static, infos, q_HTd, k_KSd, v_KSd, _segment_ids(qseg, qseg0, kseg_s), sinks_H), has_key
 
 
 def _no_vma_check():
@@ -155,27 +155,29 @@ def _vary_as(x, *refs):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _unchecked_call(static, infos, q, k, v, segment_ids):
-    return _unchecked_fwd(static, infos, q, k, v, segment_ids)[0]
+def _unchecked_call(static, infos, q, k, v, segment_ids, sinks=None):
+    return _unchecked_fwd(static, infos, q, k, v, segment_ids, sinks)[0]
 
 
-def _unchecked_fwd(static, infos, q, k, v, segment_ids):
+def _unchecked_fwd(static, infos, q, k, v, segment_ids, sinks=None):
+    """Splash's forward half; ``sinks [H]`` are the kernel's own (its softmax state starts at them)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
 
     with _no_vma_check():
-        o, res = ska._splash_attention_fwd(*infos, q, k, v, segment_ids, None, **dict(static))
-    return _vary_as(o, q, k, v), (res, q, k, v, infos, segment_ids)
+        o, res = ska._splash_attention_fwd(*infos, q, k, v, segment_ids, sinks, **dict(static))
+    return _vary_as(o, q, k, v), (res, q, k, v, infos, segment_ids, sinks)
 
 
 def _unchecked_bwd(static, res, do):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
 
-    res, q, k, v, infos, segment_ids = res
+    res, q, k, v, infos, segment_ids, sinks = res
     with _no_vma_check():
         grads = ska._splash_attention_bwd(**dict(static), res=res, do=do)
     dq, dk, dv = grads[3:6]
+    dsinks = None if sinks is None else _vary_as(grads[7].astype(sinks.dtype), sinks)
     none = lambda t: jax.tree.map(lambda _: None, t)
-    return none(infos), _vary_as(dq, q), _vary_as(dk, k), _vary_as(dv, v), none(segment_ids)
+    return none(infos), _vary_as(dq, q), _vary_as(dk, k), _vary_as(dv, v), none(segment_ids), dsinks
 
 
 _unchecked_call.defvjp(_unchecked_fwd, _unchecked_bwd)
@@ -215,9 +217,10 @@ def _kernel_kwargs(sizes, interpret: bool, soft_cap: float | None = None) -> dic
 
 def splash_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
-    is_causal=False, local_window_size=None, scale=None, logits_soft_cap=None, interpret: bool = False,
+    is_causal=False, local_window_size=None, scale=None, logits_soft_cap=None, sinks=None, interpret: bool = False,
 ):
-    """Splash attention with our data-defined masks (causal/full, segments; no window).
+    """Splash attention with our data-defined masks (causal/full, segments; no window); ``sinks [H]``
+    go to the kernel's own sink support.
 
     ``interpret=True`` runs the Pallas kernel in interpret mode (any backend,
     slow: for tests). Rows that see no key return zeros.
@@ -225,13 +228,13 @@ def splash_attention(
     reason = splash_unsupported_reason(window=local_window_size)
     if reason:
         raise ValueError(f"kernel='splash': {reason}; use kernel='blockwise' (or 'auto').")
-    return _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+    return _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids, kv_segment_ids, sinks,
                        is_causal=bool(is_causal), scale=scale, interpret=bool(interpret),
                        soft_cap=check_soft_cap(logits_soft_cap))
 
 
 @partial(jax.jit, static_argnames=("is_causal", "scale", "interpret", "soft_cap"))
-def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids, kv_segment_ids, *,
+def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids, kv_segment_ids, sinks, *,
                 is_causal, scale, interpret, soft_cap):
     """Jitted so that eager ``shard_map`` sees one primitive (the kernel is traced unchecked inside)."""
     B, T, H, d = q_BTHd.shape
@@ -245,8 +248,8 @@ def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids
     qseg, kseg = _pad_seq(i32(q_segment_ids), Tp), _pad_seq(i32(kv_segment_ids), Sp)
 
     def row(q, k, v, qpos, kpos, qseg, kseg):
-        return _one_row(q, k, v, qpos, kpos, qseg, kseg, T=T, S=S, is_causal=is_causal, interpret=interpret,
-                        soft_cap=soft_cap)
+        return _one_row(q, k, v, qpos, kpos, qseg, kseg, sinks, T=T, S=S, is_causal=is_causal,
+                        interpret=interpret, soft_cap=soft_cap)
 
     o_BHTd, has_key_BT = jax.vmap(row)(q, k, v, qpos, kpos, qseg, kseg)
     o = jnp.swapaxes(o_BHTd, 1, 2)[:, :T]

@@ -9,13 +9,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_cp._blockwise import auto_blocks, blockwise_attention, check_block, check_soft_cap
+from jax_cp._blockwise import auto_blocks, blockwise_attention, check_block, check_sinks, check_soft_cap, vary_as
 from jax_cp._cudnn import cudnn_attention, cudnn_unsupported_reason
 from jax_cp._masks import Window, normalize_window, visible
 from jax_cp._splash import splash_attention, splash_unsupported_reason
 
 __all__ = [
-    "KERNELS", "auto_blocks", "blockwise_attention", "check_block", "check_kernel", "check_soft_cap",
+    "KERNELS", "auto_blocks", "blockwise_attention", "check_block", "check_kernel", "check_sinks", "check_soft_cap",
     "cudnn_attention", "dense_attention", "describe",
     "local_attention", "select_kernel", "splash_attention", "target_platform",
 ]
@@ -25,9 +25,10 @@ KERNELS = ("auto", "blockwise", "xla", "splash", "cudnn")
 
 def dense_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
-    is_causal=False, local_window_size: Window = None, scale=None, logits_soft_cap=None,
+    is_causal=False, local_window_size: Window = None, scale=None, logits_soft_cap=None, sinks=None,
 ):
-    """Materialises the ``[T, S]`` scores (memory quadratic in S); float32 softmax."""
+    """Materialises the ``[T, S]`` scores (memory quadratic in S); float32 softmax. ``sinks [H]``
+    join each row's denominator (no value); gradients by autodiff."""
     B, T, H, d = q_BTHd.shape
     K = k_BSKd.shape[2]
     scale = d**-0.5 if scale is None else scale
@@ -38,8 +39,13 @@ def dense_attention(
     mask = visible(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                    is_causal=is_causal, window=normalize_window(local_window_size))[:, None, None]
     s = jnp.where(mask, s, -1e30)
-    p = jnp.exp(s - jax.lax.stop_gradient(s.max(-1, keepdims=True))) * mask
-    denom = p.sum(-1, keepdims=True)
+    shift = s.max(-1, keepdims=True)
+    if sinks is not None:
+        sink = check_sinks(sinks, H).astype(jnp.float32).reshape(1, K, H // K, 1, 1)
+        shift = jnp.maximum(shift, sink)
+    shift = jax.lax.stop_gradient(shift)
+    p = jnp.exp(s - shift) * mask
+    denom = p.sum(-1, keepdims=True) + (0.0 if sinks is None else jnp.exp(sink - shift))
     p = p / jnp.where(denom == 0, 1.0, denom)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_BSKd.dtype), v_BSKd, preferred_element_type=jnp.float32)
     return o.reshape(B, T, H, d).astype(q_BTHd.dtype)
@@ -64,7 +70,7 @@ def target_platform() -> str:
 
 
 def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window, has_segments: bool,
-                  dtype, head_dim: int, soft_cap: bool = False) -> str:
+                  dtype, head_dim: int, soft_cap: bool = False, sinks: bool = False) -> str:
     """Resolves ``"auto"`` and checks that an explicit choice can serve the mask.
 
     ``"auto"``: splash on TPU, cuDNN on GPU when the mask is expressible there,
@@ -74,7 +80,7 @@ def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window
     check_kernel(kernel)
     splash_why = splash_unsupported_reason(window=window)
     cudnn_why = cudnn_unsupported_reason(is_causal=is_causal, window=window, has_segments=has_segments,
-                                         dtype=dtype, head_dim=head_dim, soft_cap=soft_cap)
+                                         dtype=dtype, head_dim=head_dim, soft_cap=soft_cap, sinks=sinks)
     if kernel == "auto":
         if platform == "tpu" and splash_why is None:
             return "splash"
@@ -94,7 +100,7 @@ def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window
 
 def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=None,
              is_causal: bool = False, local_window_size: Window = None, has_segments: bool = False,
-             dtype=jnp.bfloat16, head_dim: int = 128, logits_soft_cap=None) -> str:
+             dtype=jnp.bfloat16, head_dim: int = 128, logits_soft_cap=None, use_sinks: bool = False) -> str:
     """One line: the kernel a call runs on ``platform`` (default: the default backend) and why.
 
     ``kv_exchange``: a ``jax_cp.exchanges`` value or name (default: the default exchange).
@@ -108,9 +114,9 @@ def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=N
     exchange.check_kernel(kernel)  # e.g. the ring refuses kernels without a log-sum-exp
     platform = platform or target_platform()
     window = normalize_window(local_window_size)
-    soft_cap = logits_soft_cap is not None
-    chosen = select_kernel(kernel, platform=platform, is_causal=is_causal, window=window,
-                           has_segments=has_segments, dtype=dtype, head_dim=head_dim, soft_cap=soft_cap)
+    needs = dict(is_causal=is_causal, window=window, has_segments=has_segments, dtype=dtype, head_dim=head_dim,
+                 soft_cap=logits_soft_cap is not None, sinks=use_sinks)
+    chosen = select_kernel(kernel, platform=platform, **needs)
     if kernel != "auto":
         return f"{chosen} (explicit)"
     runs, why = exchange.step_kernel(chosen)
@@ -118,8 +124,7 @@ def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=N
         return f"{runs} (auto on {platform} with kv_exchange={exchange.name!r}: {why})"
     if chosen == "blockwise":
         why = {"tpu": splash_unsupported_reason(window=window),
-               "gpu": cudnn_unsupported_reason(is_causal=is_causal, window=window, has_segments=has_segments,
-                                               dtype=dtype, head_dim=head_dim, soft_cap=soft_cap)}.get(platform)
+               "gpu": cudnn_unsupported_reason(**needs)}.get(platform)
         return f"blockwise (auto on {platform}" + (f": {why})" if why else ": the portable kernel)")
     return f"{chosen} (auto on {platform})"
 
@@ -127,19 +132,21 @@ def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=N
 def local_attention(
     q_BTHd, k_BSKd, v_BSKd, *, kernel: str = "auto", q_positions, kv_positions, q_segment_ids=None,
     kv_segment_ids=None, is_causal=False, local_window_size=None, scale=None, block_q=None, block_kv=None,
-    logits_soft_cap=None,
+    logits_soft_cap=None, sinks=None,
 ):
     """Runs the selected kernel (see ``KERNELS``, ``select_kernel``) on one device's share.
 
     ``block_q``/``block_kv`` size the blockwise kernel's tiles (``None``: ``auto_blocks``); the
-    platform kernels choose their own."""
+    platform kernels choose their own. ``sinks [H]``: per-query-head sink logits (or None)."""
     window = normalize_window(local_window_size)
     chosen = select_kernel(kernel, platform=target_platform(), is_causal=is_causal, window=window,
                            has_segments=q_segment_ids is not None, dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1],
-                           soft_cap=logits_soft_cap is not None)
+                           soft_cap=logits_soft_cap is not None, sinks=sinks is not None)
+    if sinks is not None:
+        sinks = vary_as(check_sinks(sinks, q_BTHd.shape[2]), q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions)
     kw = dict(q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
               kv_segment_ids=kv_segment_ids, is_causal=is_causal, local_window_size=window, scale=scale,
-              logits_soft_cap=logits_soft_cap)
+              logits_soft_cap=logits_soft_cap, sinks=sinks)
     if chosen == "xla":
         return dense_attention(q_BTHd, k_BSKd, v_BSKd, **kw)
     if chosen == "blockwise":

@@ -42,6 +42,7 @@ class CPAttention(nn.Module):
     block_q: int | None = None
     block_kv: int | None = None
     logits_soft_cap: float | None = None
+    use_sinks: bool = False
 
     @property
     def spec(self) -> AttentionSpec:
@@ -51,7 +52,7 @@ class CPAttention(nn.Module):
             rope_theta=self.rope_theta, use_bias=self.use_bias, kernel=self.kernel, kv_exchange=self.kv_exchange,
             overlap_chunks=AUTO if self.overlap_chunks is None else self.overlap_chunks,
             fused_qkv_chunks=self.fused_qkv_chunks, block_q=self.block_q, block_kv=self.block_kv,
-            logits_soft_cap=self.logits_soft_cap)
+            logits_soft_cap=self.logits_soft_cap, use_sinks=self.use_sinks)
 
     @nn.compact
     def __call__(self, x, *, positions=None, segment_ids=None, local_window_size=None):

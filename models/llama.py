@@ -44,6 +44,7 @@ class LlamaConfig:
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     logits_soft_cap: float | None = None  # attention logits -> c * tanh(logits / c) (Gemma 2)
+    use_sinks: bool = False  # a learned sink logit per query head in every attention softmax (GPT-OSS)
 
     def __post_init__(self):
         check_positive_fields(self, ("vocab_size", "d_model", "num_layers", "d_ff"))
@@ -55,7 +56,7 @@ class LlamaConfig:
         return jax_cp.AttentionSpec(num_heads=self.num_heads, in_features=self.d_model,
                                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, is_causal=True,
                                     use_qk_norm=self.use_qk_norm, rope_theta=self.rope_theta,
-                                    logits_soft_cap=self.logits_soft_cap)
+                                    logits_soft_cap=self.logits_soft_cap, use_sinks=self.use_sinks)
 
 
 CONFIGS = {
@@ -174,7 +175,7 @@ class Block(nnx.Module):
         self.attn = jax_cp.CPAttention(
             spec.num_heads, spec.in_features, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, mesh=mesh,
             is_causal=spec.is_causal, use_qk_norm=spec.use_qk_norm, rope_theta=spec.rope_theta, dtype=dtype,
-            logits_soft_cap=spec.logits_soft_cap,
+            logits_soft_cap=spec.logits_soft_cap, use_sinks=spec.use_sinks,
             sharding=attention_sharding(spec, mesh, sharding), rngs=rngs, **attention,
         )
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, mesh=mesh, sharding=sharding)

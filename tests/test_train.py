@@ -412,15 +412,17 @@ def test_plan_cli(capsys):
 
 
 @needs_devices(8)
-def test_soft_capped_model_trains_like_one_device():
-    """``LlamaConfig(logits_soft_cap=...)`` reaches every layer: 3 Adam steps on a (2,2,2) mesh give the
-    one-device losses (float32), the loss falls, and the cap changes the loss."""
+def test_soft_capped_model_with_sinks_trains_like_one_device():
+    """``LlamaConfig(logits_soft_cap=..., use_sinks=True)`` reaches every layer: 3 Adam steps on a
+    (2,2,2) mesh give the one-device losses (float32), the loss falls, the cap changes the loss, and
+    the sinks are trained (they leave zero)."""
     import dataclasses
 
     import optax
 
-    cfg = dataclasses.replace(llama.CONFIGS["tiny"], num_layers=1, logits_soft_cap=0.5)
-    assert cfg.attention.logits_soft_cap == 0.5
+    cfg = dataclasses.replace(llama.CONFIGS["tiny"], num_layers=1, logits_soft_cap=0.5, use_sinks=True)
+    assert cfg.attention.logits_soft_cap == 0.5 and cfg.attention.use_sinks
+    trained_sinks = []
 
     def losses(mesh, cfg):
         batch = _batch(mesh, B=2)
@@ -434,7 +436,9 @@ def test_soft_capped_model_trains_like_one_device():
                 opt.update(model, grads)
                 return loss
 
-            return [float(step(model, opt, batch)) for _ in range(3)]
+            out = [float(step(model, opt, batch)) for _ in range(3)]
+            trained_sinks.append(np.asarray(model.blocks[0].attn.sinks[...]))
+            return out
 
     cp = losses(jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2, axis_types=AxisType.Auto), cfg)
     one = losses(jax_cp.make_mesh(devices=jax.devices()[:1], axis_types=AxisType.Auto), cfg)
@@ -443,3 +447,5 @@ def test_soft_capped_model_trains_like_one_device():
     uncapped = losses(jax_cp.make_mesh(devices=jax.devices()[:1], axis_types=AxisType.Auto),
                       dataclasses.replace(cfg, logits_soft_cap=None))
     assert abs(uncapped[1] - one[1]) > 1e-4
+    np.testing.assert_allclose(trained_sinks[0], trained_sinks[1], **TOL[jnp.dtype(jnp.float32)])
+    assert np.abs(trained_sinks[0]).max() > 1e-3

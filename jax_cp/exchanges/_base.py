@@ -55,8 +55,9 @@ class KVExchange:
         chose ``chosen``, and why it differs (``""`` when it does not)."""
         return chosen, ""
 
-    def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec):
-        """Per device: queries and K/V of the colossal chunk (heads split) -> ``o [B, T, H, d]``."""
+    def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
+        """Per device: queries and K/V of the colossal chunk (heads split) -> ``o [B, T, H, d]``;
+        ``sinks [H]``: the device's query heads' sink logits (joining the softmax once), or None."""
         raise NotImplementedError
 
     def reference(self, q_BTHd, k_BSKd, v_BSKd, q_meta: Meta, kv_meta: Meta, spec):
@@ -68,19 +69,19 @@ class KVExchange:
                                 q_segment_ids=q_meta.seg, kv_segment_ids=kv_meta.seg, is_causal=spec.is_causal,
                                 local_window_size=spec.local_window_size, scale=spec.scale)
 
-    def attend_local(self, q_BTHd, k_BtKd, v_BtKd, meta: Meta, spec):
+    def attend_local(self, q_BTHd, k_BtKd, v_BtKd, meta: Meta, spec, sinks=None):
         """As ``attend``, with K/V still on the device's own tokens ``[B, S/(c*u), ...]``:
         K and V cross ``cp_ulysses`` in one all-to-all first."""
         k, v = seq_to_heads((k_BtKd, v_BtKd), ULYSSES)
-        return self.attend(q_BTHd, k, v, meta, spec)
+        return self.attend(q_BTHd, k, v, meta, spec, sinks)
 
 
-def attend_gathered(q_BTHd, kv_BS2Kd, meta: Meta, spec):
+def attend_gathered(q_BTHd, kv_BS2Kd, meta: Meta, spec, sinks=None):
     """The local kernel on the colossal chunk of queries and every token's K and V (stacked on axis 2)."""
     pos, seg = seq_chunk(meta.pos, (COLOSSAL,)), seq_chunk(meta.seg, (COLOSSAL,))
     return _kernels.local_attention(
         q_BTHd, kv_BS2Kd[:, :, 0], kv_BS2Kd[:, :, 1], kernel=spec.kernel, q_positions=pos,
         kv_positions=meta.pos, q_segment_ids=seg, kv_segment_ids=meta.seg, is_causal=spec.is_causal,
         local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q, block_kv=spec.block_kv,
-        logits_soft_cap=spec.logits_soft_cap,
+        logits_soft_cap=spec.logits_soft_cap, sinks=sinks,
     )

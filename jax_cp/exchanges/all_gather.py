@@ -51,8 +51,8 @@ class AllGather(KVExchange):
 
     name = "all_gather"
 
-    def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec):
+    def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
         # K and V travel in one collective: fewer, larger exchanges leave more compute to hide
         # each under (TPU runs one all-to-all at a time).
         kv = gather_seq(jnp.stack([k_BTKd, v_BTKd], axis=2), COLOSSAL)
-        return attend_gathered(q_BTHd, kv, meta, spec)
+        return attend_gathered(q_BTHd, kv, meta, spec, sinks)

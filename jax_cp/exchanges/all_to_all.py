@@ -74,11 +74,12 @@ class AllToAll(KVExchange):
     fuses_qkv = False
     no_fuse_reason = "K and V then take their own all-to-all over both CP axes"
 
-    def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec):
-        return attend_gathered(q_BTHd, spread_kv(jnp.stack([k_BTKd, v_BTKd], axis=2), COLOSSAL), meta, spec)
+    def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
+        kv = spread_kv(jnp.stack([k_BTKd, v_BTKd], axis=2), COLOSSAL)
+        return attend_gathered(q_BTHd, kv, meta, spec, sinks)
 
-    def attend_local(self, q_BTHd, k_BtKd, v_BtKd, meta: Meta, spec):
+    def attend_local(self, q_BTHd, k_BtKd, v_BtKd, meta: Meta, spec, sinks=None):
         if lax.axis_size(COLOSSAL) == 1:  # pure Ulysses: the Ulysses all-to-all is the whole exchange
-            return super().attend_local(q_BTHd, k_BtKd, v_BtKd, meta, spec)
+            return super().attend_local(q_BTHd, k_BtKd, v_BtKd, meta, spec, sinks)
         kv = spread_kv(jnp.stack([k_BtKd, v_BtKd], axis=2), COLOSSAL, ULYSSES)
-        return attend_gathered(q_BTHd, kv, meta, spec)
+        return attend_gathered(q_BTHd, kv, meta, spec, sinks)

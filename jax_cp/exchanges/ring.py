@@ -59,19 +59,20 @@ def _forward(q, k, v, pos, seg, axis_name, spec):
     return _loop(attend, (k, v, pos, seg), axis_name)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _ring(q, k, v, pos, seg, axis_name, spec):
-    return _forward(q, k, v, pos, seg, axis_name, spec)[0].astype(q.dtype)
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _ring(q, k, v, pos, seg, sinks, axis_name, spec):
+    return _ring_fwd(q, k, v, pos, seg, sinks, axis_name, spec)[0]
 
 
-def _ring_fwd(q, k, v, pos, seg, axis_name, spec):
-    o, lse = _forward(q, k, v, pos, seg, axis_name, spec)
+def _ring_fwd(q, k, v, pos, seg, sinks, axis_name, spec):
+    # The sinks join the softmax once, after the last chunk (not once per step or device).
+    o, lse = bw.fold_sinks(*_forward(q, k, v, pos, seg, axis_name, spec), sinks)
     o = o.astype(q.dtype)
-    return o, (q, k, v, pos, seg, o, lse)
+    return o, (q, k, v, pos, seg, o, lse, sinks)
 
 
 def _ring_bwd(axis_name, spec, res, do):
-    q, k, v, pos, seg, o, lse = res
+    q, k, v, pos, seg, o, lse, sinks = res
     c = lax.axis_size(axis_name)
     qm = bw.Meta(pos, seg)
     delta = jnp.einsum("bthd,bthd->bth", do.astype(jnp.float32), o.astype(jnp.float32))
@@ -84,7 +85,8 @@ def _ring_bwd(axis_name, spec, res, do):
         dq, dk, dv = grads(home)
     else:
         dq, (dk, dv) = _backward_ring(grads, home, do, axis_name, c)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None,
+            bw.sinks_grad(sinks, lse, delta))
 
 
 def _backward_ring(grads, home, do, axis_name, c):
@@ -128,23 +130,20 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # backward runs splash's backward kernels per chunk with the merged output and log-sum-exp.
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _splash_ring(qx, qm, home, axis_name, step):
-    return _splash_forward(qx, qm, home, axis_name, step)[0].astype(qx.dtype)
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _splash_ring(qx, qm, home, sinks, axis_name, step):
+    return _splash_ring_fwd(qx, qm, home, sinks, axis_name, step)[0]
 
 
-def _splash_forward(qx, qm, home, axis_name, step):
-    return _loop(lambda carry, kv: sp.ring_forward_step(step, qx, qm, kv, carry), home, axis_name)
-
-
-def _splash_ring_fwd(qx, qm, home, axis_name, step):
-    o, lse = _splash_forward(qx, qm, home, axis_name, step)
+def _splash_ring_fwd(qx, qm, home, sinks, axis_name, step):
+    o, lse = _loop(lambda carry, kv: sp.ring_forward_step(step, qx, qm, kv, carry), home, axis_name)
+    o, lse = bw.fold_sinks(o, lse, sinks, head_axis=1)  # once, after the last chunk ([B, H, Tp] lse)
     o = o.astype(qx.dtype)
-    return o, (qx, qm, home, o, lse)
+    return o, (qx, qm, home, o, lse, sinks)
 
 
 def _splash_ring_bwd(axis_name, step, res, do):
-    qx, qm, home, o, lse = res
+    qx, qm, home, o, lse, sinks = res
     c = lax.axis_size(axis_name)
 
     def grads(kv, dq=None):
@@ -156,14 +155,19 @@ def _splash_ring_bwd(axis_name, step, res, do):
         dq, (dk, dv) = _backward_ring(grads, home, do, axis_name, c)
     k, v = home[0], home[1]
     none = (None,) * (len(home) - 2)
-    return dq.astype(qx.dtype), jax.tree.map(lambda _: None, qm), (dk.astype(k.dtype), dv.astype(v.dtype), *none)
+    dsinks = None
+    if sinks is not None:  # padded query rows have do = 0: no share
+        delta = jnp.einsum("bhtd,bhtd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
+        dsinks = bw.sinks_grad(sinks, lse, delta, head_axis=1)
+    return (dq.astype(qx.dtype), jax.tree.map(lambda _: None, qm), (dk.astype(k.dtype), dv.astype(v.dtype), *none),
+            dsinks)
 
 
 _splash_ring.defvjp(_splash_ring_fwd, _splash_ring_bwd)
 
 
 def splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_name: str, is_causal=False,
-                          scale=None, logits_soft_cap=None, interpret: bool = False):
+                          scale=None, logits_soft_cap=None, sinks=None, interpret: bool = False):
     """As :func:`ring_attention` (no window) with the splash kernel in every step.
 
     ``interpret=True`` runs the Pallas kernels in interpret mode (any backend; for tests)."""
@@ -171,25 +175,32 @@ def splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_n
     qx, qm, home, step = sp.ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, scale=scale,
                                          is_causal=is_causal, interpret=interpret,
                                          soft_cap=bw.check_soft_cap(logits_soft_cap))
-    o = _splash_ring(qx, qm, home, axis_name, step)
+    sinks = _checked_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT)
+    o = _splash_ring(qx, qm, home, sinks, axis_name, step)
     return jnp.swapaxes(o[:, :, :T], 1, 2)
 
 
 def ring_attention(
     q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_name: str, is_causal=False, local_window_size=None,
-    scale=None, block_q: int | None = None, block_kv: int | None = None, logits_soft_cap=None,
+    scale=None, block_q: int | None = None, block_kv: int | None = None, logits_soft_cap=None, sinks=None,
 ):
     """Attention of this device's chunk to every chunk on the ``axis_name`` ring (inside ``shard_map``).
 
     Inputs are the device's contiguous chunk (queries, keys, values, their global
     positions and segment ids); returns ``o [B, T, H, d]``. ``c = 1`` is plain
-    blockwise attention.
+    blockwise attention. ``sinks [H]`` (this device's query heads) join the softmax once, after
+    the last step.
     """
     spec = bw.make_spec(q_BTHd.shape[-1], is_causal=is_causal, local_window_size=local_window_size,
                         scale=scale, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap)
     pos = jnp.asarray(pos_BT, jnp.int32)
     seg = None if seg_BT is None else jnp.asarray(seg_BT, jnp.int32)
-    return _ring(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name, spec)
+    sinks = _checked_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos, seg)
+    return _ring(q_BTHd, k_BTKd, v_BTKd, pos, seg, sinks, axis_name, spec)
+
+
+def _checked_sinks(sinks, q_BTHd, *refs):
+    return None if sinks is None else bw.vary_as(bw.check_sinks(sinks, q_BTHd.shape[2]), q_BTHd, *refs)
 
 
 @register
@@ -220,13 +231,13 @@ class Ring(KVExchange):
                                         soft_cap=spec.logits_soft_cap is not None)
         return self.step_kernel(chosen)[0]
 
-    def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec):
+    def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
         pos, seg = seq_chunk(meta.pos, (COLOSSAL,)), seq_chunk(meta.seg, (COLOSSAL,))
         if self.kernel(spec, q_BTHd, seg is not None) == "splash":
             return splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL,
                                          is_causal=spec.is_causal, scale=spec.scale,
-                                         logits_soft_cap=spec.logits_soft_cap,
+                                         logits_soft_cap=spec.logits_soft_cap, sinks=sinks,
                                          interpret=_kernels.target_platform() != "tpu")
         return ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL, is_causal=spec.is_causal,
                               local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q,
-                              block_kv=spec.block_kv, logits_soft_cap=spec.logits_soft_cap)
+                              block_kv=spec.block_kv, logits_soft_cap=spec.logits_soft_cap, sinks=sinks)
