@@ -60,6 +60,7 @@ def dot_product_attention(
     query, key, value, *, mesh, is_causal=False, scale=None, layout="BSHD",
     positions=None, segment_ids=None, local_window_size=None,
     kernel="auto", kv_exchange=AUTO, block_q=None, block_kv=None, logits_soft_cap=None, sinks=None,
+    return_max_logits=False,
 ):
     """Context-parallel counterpart of ``jax.nn.dot_product_attention``.
 
@@ -75,9 +76,11 @@ def dot_product_attention(
     ``block_q``/``block_kv`` size the blockwise kernel's tiles on each device (``None``: from the
     local batch, heads and platform, ``jax_cp.kernels.auto_blocks``). ``logits_soft_cap=c`` caps
     the scaled logits to ``c * tanh(logits / c)`` before the mask (Gemma 2), on every kernel but cuDNN
-    (``"auto"`` then runs blockwise on GPU). ``sinks``, a ``[H]`` float array, gives each query head
-    a learned sink logit that joins its softmax denominator once (after every key, on every device
-    and ring step) and contributes no value (GPT-OSS); gradients flow to it. Not on cuDNN.
+    (``"auto"`` then runs blockwise on GPU). ``sinks [H]`` (float) give each query head a learned
+    logit joining its softmax denominator once, with no value (GPT-OSS); gradients flow to it.
+    ``return_max_logits=True`` returns ``(out, max_logits)``: per query head (``[H]`` float32) the
+    largest logit that entered the softmax over every visible pair, reduced over the whole mesh
+    (``-inf`` if none; no gradient), for QK-clip / MuonClip; blockwise and ``"xla"`` kernels only.
     """
     dims = mesh_dims(mesh)
     query, key, value = _check_qkv(query, key, value, layout)
@@ -86,16 +89,18 @@ def dot_product_attention(
     spec = AttentionSpec(num_heads=H, num_kv_heads=K, head_dim=d, is_causal=is_causal, scale=scale,
                          local_window_size=local_window_size, kernel=kernel, kv_exchange=kv_exchange,
                          overlap_chunks=1, fused_qkv_chunks=0, block_q=block_q, block_kv=block_kv,
-                         logits_soft_cap=logits_soft_cap)
+                         logits_soft_cap=logits_soft_cap, record_max_logits=bool(return_max_logits))
     spec, _ = spec.resolve(mesh, batch=B, seq_len=S, itemsize=query.dtype.itemsize)
     rep = spec.layout(dims).kv_expanded // K  # minimal repetition so t*u devices each hold whole kv heads
     check_seq_batch(B, S, dims)
     meta, meta_specs = placed_metadata(positions, segment_ids, B, S, mesh)
     if rep > 1:
         key, value = (jnp.repeat(a, rep, axis=2) for a in (key, value))
-    if sinks is not None:
-        sinks = place(check_sinks(sinks, H), mesh, P(TP))
+    sinks = None if sinks is None else place(check_sinks(sinks, H), mesh, P(TP))
     args = [place(a, mesh, X_SPEC) for a in (query, key, value)] + [sinks] + meta
     in_specs = [X_SPEC] * 3 + [P(TP)] + meta_specs
-    out = shard_call(partial(_shard_fn, spec=spec), mesh, tuple(in_specs), X_SPEC, args)
-    return jnp.swapaxes(out, 1, 2) if layout == "BNSD" else out
+    out_specs = (X_SPEC, P(TP)) if spec.record_max_logits else X_SPEC
+    out = shard_call(partial(_shard_fn, spec=spec), mesh, tuple(in_specs), out_specs, args)
+    out, *max_logits = out if spec.record_max_logits else (out,)
+    out = jnp.swapaxes(out, 1, 2) if layout == "BNSD" else out
+    return (out, *max_logits) if max_logits else out

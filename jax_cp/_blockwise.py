@@ -21,7 +21,7 @@ from jax import lax
 from jax_cp._masks import Window, normalize_window, visible
 
 __all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "auto_blocks", "check_block", "check_soft_cap",
-           "check_sinks", "fold_sinks", "sinks_grad", "forward", "backward", "varying", "vary_as", "vma", "NEG"]
+           "check_sinks", "fold_sinks", "head_max", "sinks_grad", "forward", "backward", "varying", "vary_as", "vma", "NEG"]
 
 NEG = -1e30  # finite minus-infinity: masked scores, and the lse of rows that see no key
 _IMAX, _IMIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
@@ -45,6 +45,7 @@ class Spec:
     block_q: int | None  # None: auto_blocks
     block_kv: int | None
     soft_cap: float | None = None  # logits -> soft_cap * tanh(logits / soft_cap), before the mask
+    max_logits: bool = False  # forward also returns each row's largest visible logit
 
     def logits_and_slope(self, s):
         """``(logits, d logits / d s)`` of the raw scores ``s``: scaled, then soft-capped if set (one
@@ -74,11 +75,12 @@ def check_soft_cap(value) -> float | None:
 
 
 def make_spec(head_dim: int, *, is_causal=False, local_window_size=None, scale=None,
-              block_q: int | None = None, block_kv: int | None = None, logits_soft_cap=None) -> Spec:
+              block_q: int | None = None, block_kv: int | None = None, logits_soft_cap=None,
+              return_max_logits: bool = False) -> Spec:
     return Spec(bool(is_causal), normalize_window(local_window_size),
                 float(head_dim**-0.5 if scale is None else scale),
                 check_block("block_q", block_q), check_block("block_kv", block_kv),
-                check_soft_cap(logits_soft_cap))
+                check_soft_cap(logits_soft_cap), bool(return_max_logits))
 
 
 # The default blocks, measured (benchmarks/kernel_speed.py, RESULTS "Local attention kernels"): on
@@ -255,6 +257,16 @@ def _safe(m):
     return jnp.where(m > 0.5 * NEG, m, 0.0)
 
 
+def _init_state(refs, shape, d: int, spec: Spec, o0, lse0):
+    """The loop's softmax state ``(m, l, acc[, max])`` for one query block of ``shape = (B, K, G, Q)``."""
+    if o0 is None:
+        init = varying(refs, jnp.full(shape, NEG, jnp.float32), jnp.zeros(shape, jnp.float32),
+                       jnp.zeros((*shape, d), jnp.float32))
+    else:  # continue from a normalised (o, lse): the softmax state (m=lse, l=1, acc=o)
+        init = (lse0, *varying(refs, jnp.ones(shape, jnp.float32)), o0)
+    return init + (varying(refs, jnp.full(shape, NEG, jnp.float32)) if spec.max_logits else ())
+
+
 def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int, bk: int, state=None):
     """Head-major blocks, laid out once so every dot in the loop is a plain batched matmul
     (``[B K, G Q, d] @ [B K, d, C]``, ``[B K, G Q, C] @ [B K, C, d]``): no per-block transpose."""
@@ -273,37 +285,34 @@ def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int,
         q, qpos, qseg, qval, order, count, o0, lse0 = xs
 
         def body(n, carry):
-            m, l, acc = carry
+            m, l, acc = carry[:3]
             j = order[n]
             s = jnp.einsum("bkgqd,bkdc->bkgqc", q, kT_MBKdC[j], preferred_element_type=jnp.float32)
             mask = _block_mask(qpos, qseg, qval, kpos[j], kseg[j], kval[j], spec, has_seg)
             s = jnp.where(mask, spec.logits_and_slope(s)[0], NEG)  # the one select on the tile
-            m_new = jnp.maximum(m, s.max(-1))
+            row = s.max(-1)
+            m_new = jnp.maximum(m, row)
             shift = _safe(m_new)
             p = jnp.exp(s - shift[..., None])
             alpha = jnp.exp(m - shift)
             v = v_MBKCd[j]
             pv = jnp.einsum("bkgqc,bkcd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-            return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+            stat = (jnp.maximum(carry[3], row),) if spec.max_logits else ()  # the visible logits' max
+            return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv, *stat
 
-        if o0 is None:
-            init = varying(refs, jnp.full((B, K, G, bq), NEG, jnp.float32), jnp.zeros((B, K, G, bq), jnp.float32),
-                           jnp.zeros((B, K, G, bq, d), jnp.float32))
-        else:  # continue from a normalised (o, lse): the softmax state (m=lse, l=1, acc=o)
-            init = (lse0, *varying(refs, jnp.ones((B, K, G, bq), jnp.float32)), o0)
-        m, l, acc = lax.fori_loop(0, count, body, init)
+        m, l, acc, *stat = lax.fori_loop(0, count, body, _init_state(refs, (B, K, G, bq), d, spec, o0, lse0))
         seen = l > 0
         o = acc / jnp.where(seen, l, 1.0)[..., None]
-        return o, jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG)  # [B, K, G, Q, d], [B, K, G, Q]
+        return o, jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG), *stat  # [B, K, G, Q, (d)]
 
     qpos, qseg, qval = _meta_blocks(qm, bq)
     o0 = lse0 = None
     if state is not None:
         o0 = _blocks_major(state[0].reshape(B, T, K, G, d), bq, (0, 2, 3, 1, 4))
         lse0 = _blocks_major(state[1].reshape(B, T, K, G), bq, (0, 2, 3, 1))
-    o, lse = lax.map(q_block, (q_NBKGQd, qpos, qseg, qval, order_NM, count_N, o0, lse0))
+    o, *rows = lax.map(q_block, (q_NBKGQd, qpos, qseg, qval, order_NM, count_N, o0, lse0))
     o = jnp.transpose(o, (1, 0, 4, 2, 3, 5)).reshape(B, T, H, d)  # [N, B, K, G, Q, d] -> [B, T, H, d]
-    return o, jnp.transpose(lse, (1, 0, 4, 2, 3)).reshape(B, T, H)
+    return o, *(jnp.transpose(r, (1, 0, 4, 2, 3)).reshape(B, T, H) for r in rows)  # lse (and max): [B, T, H]
 
 
 def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spec: Spec, bq: int, bk: int,
@@ -359,17 +368,18 @@ def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spe
 
 def forward(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, state=None):
     """``(o_BTHd float32, lse_BTH float32)``; rows that see no key: ``o = 0``, ``lse = NEG``.
+    With ``spec.max_logits`` also ``max_BTH``: each row's largest visible logit (``NEG`` if none).
 
     ``state=(o, lse)`` of earlier keys continues that softmax (the ring's merge,
-    without a second output buffer).
+    without a second output buffer); the max covers this call's keys only.
     """
     T, S = q_BTHd.shape[1], k_BSKd.shape[1]
     bq, Tp, bk, Sp = _padded_blocks(spec, q_BTHd, k_BSKd)
     if state is not None:
         state = (_pad(state[0], Tp), _pad(state[1], Tp, NEG))
-    o, lse = _fwd_padded(_pad(q_BTHd, Tp), _pad(k_BSKd, Sp), _pad(v_BSKd, Sp),
-                         _pad_meta(qm, Tp), _pad_meta(km, Sp), spec, bq, bk, state)
-    return o[:, :T], lse[:, :T]
+    out = _fwd_padded(_pad(q_BTHd, Tp), _pad(k_BSKd, Sp), _pad(v_BSKd, Sp),
+                      _pad_meta(qm, Tp), _pad_meta(km, Sp), spec, bq, bk, state)
+    return tuple(x[:, :T] for x in out)
 
 
 def backward(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm: Meta, km: Meta, spec: Spec, dq=None):
@@ -393,18 +403,29 @@ def _attention(q, k, v, qm, km, sinks, spec):
 
 
 def _attention_fwd(q, k, v, qm, km, sinks, spec):
-    o, lse = fold_sinks(*forward(q, k, v, qm, km, spec), sinks)
+    o, lse, *row_max = forward(q, k, v, qm, km, spec)
+    o, lse = fold_sinks(o, lse, sinks)
     o = o.astype(q.dtype)
-    return o, (q, k, v, o, lse, qm, km, sinks)
+    out = (o, head_max(row_max[0])) if spec.max_logits else o
+    return out, (q, k, v, o, lse, qm, km, sinks)
 
 
 def _attention_bwd(spec, res, do):
     q, k, v, o, lse, qm, km, sinks = res
+    if spec.max_logits:
+        do = do[0]  # the statistic has no gradient
     delta = jnp.einsum("bthd,bthd->bth", do.astype(jnp.float32), o.astype(jnp.float32))
     dq, dk, dv = backward(q, k, v, do, lse, delta, qm, km, spec)
     zero_meta = lambda m: jax.tree.map(lambda _: None, m)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zero_meta(qm), zero_meta(km),
             sinks_grad(sinks, lse, delta))
+
+
+def head_max(max_BTH):
+    """Rows' largest visible logits ``[B, T, H]`` -> per head ``[H]`` float32, ``-inf`` where no
+    row saw a key (the max-logit statistic, e.g. for QK-clip)."""
+    m = lax.stop_gradient(max_BTH).max((0, 1))
+    return jnp.where(m > 0.5 * NEG, m, -jnp.inf)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -413,10 +434,13 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def blockwise_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     is_causal=False, local_window_size=None, scale=None, block_q: int | None = None, block_kv: int | None = None,
-    logits_soft_cap: float | None = None, sinks=None,
+    logits_soft_cap: float | None = None, sinks=None, return_max_logits: bool = False,
 ):
     """Masked attention with memory linear in ``S``; same contract as ``dense_attention``.
 
+    ``return_max_logits=True`` returns ``(o, max_logits [H])``: per query head, the largest logit
+    that entered the softmax (scaled, soft-capped if set; visible pairs only; ``-inf`` if none), no
+    gradient.
     ``sinks [H]``: one learned logit per query head that joins every row's softmax denominator
     and contributes no value (GPT-OSS), with its gradient.
     ``logits_soft_cap=c`` caps the scaled logits to ``c * tanh(logits / c)`` before the mask (Gemma
@@ -426,7 +450,8 @@ def blockwise_attention(
     about half); rows that see no key return zeros with zero gradients.
     """
     spec = make_spec(q_BTHd.shape[-1], is_causal=is_causal, local_window_size=local_window_size,
-                     scale=scale, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap)
+                     scale=scale, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap,
+                     return_max_logits=return_max_logits)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must both be given or both be None.")
     i32 = lambda a: None if a is None else jnp.asarray(a, jnp.int32)

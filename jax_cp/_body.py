@@ -12,6 +12,10 @@
       y += projections.output(i, o)          inverse all-to-all (+ output projection)
     projections.finish(y)                    psum over tp (+ output bias)
 
+With ``spec.record_max_logits`` every chunk's exchange also returns its heads' largest logit, and
+the body returns ``(y, max_logits [H/t])``: the maximum over dp and cp_colossal (other queries of
+the same heads), the head groups gathered over cp_ulysses, chunks in head order.
+
 Letters: B batch, S sequence.
 """
 from __future__ import annotations
@@ -21,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_cp._mesh import DP, ULYSSES, place
+from jax_cp._mesh import COLOSSAL, DP, ULYSSES, place
 from jax_cp._ulysses import heads_to_seq, seq_to_heads
 from jax_cp.exchanges import Meta
 
@@ -37,7 +41,7 @@ META_SPEC = P(DP, None)
 def attention_shard(projections, pos_BS, seg_BS, *, spec):
     """Per device: every head chunk through project -> exchange -> attend -> output, then finish."""
     meta, exchange = Meta(pos_BS, seg_BS), spec.kv_exchange
-    y = 0
+    y, stats = 0, []
     for i in range(spec.overlap_chunks):
         # Chunk i's collectives depend on nothing of chunk i+1: XLA hides one under the other.
         q, *kv = seq_to_heads(projections.q_parts(i), ULYSSES)
@@ -46,8 +50,21 @@ def attention_shard(projections, pos_BS, seg_BS, *, spec):
             o = exchange.attend(q, *kv, meta, spec, sinks)
         else:  # K/V projected after Q's all-to-all was issued
             o = exchange.attend_local(q, *projections.kv_parts(i), meta, spec, sinks)
+        if spec.record_max_logits:
+            o, m = o
+            stats.append(_heads_max(m))
         y = y + projections.output(i, o)
-    return projections.finish(y)
+    y = projections.finish(y)
+    return (y, jnp.concatenate(stats)) if stats else y
+
+
+def _heads_max(m_h):
+    """This device's head group's maxima ``[H/u]`` -> the chunk's ``[H]``, maximised over every
+    device: each group in its ``cp_ulysses`` slot (``-inf`` elsewhere), then one ``pmax``."""
+    u, m_h = lax.axis_size(ULYSSES), lax.stop_gradient(m_h)  # a statistic: no tangent reaches the pmax
+    slots = jnp.full((u, m_h.shape[0]), -jnp.inf, m_h.dtype)
+    slots = lax.dynamic_update_slice_in_dim(slots, m_h[None], lax.axis_index(ULYSSES), axis=0)
+    return lax.pmax(slots.reshape(-1), (DP, COLOSSAL, ULYSSES))
 
 
 def ulysses_heads(x_H):

@@ -15,8 +15,10 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def cudnn_unsupported_reason(*, is_causal, window, has_segments, dtype, head_dim, soft_cap=False,
-                             sinks=False) -> str | None:
+                             sinks=False, max_logits=False) -> str | None:
     """Why cuDNN cannot serve this call (``None`` when it can)."""
+    if max_logits:
+        return "jax.nn.dot_product_attention's cuDNN path does not return the max-logit statistic"
     if soft_cap:
         return "logits_soft_cap is not an option of jax.nn.dot_product_attention's cuDNN path"
     if sinks:

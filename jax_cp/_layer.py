@@ -109,7 +109,8 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, spec: AttentionSpec, lay
 
 def layer_forward(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None, positions=None,
                   segment_ids=None, local_window_size=None, scale=None):
-    """Applies the layer to a global ``x [B, S, D]``; returns ``y [B, S, D]`` sharded like x."""
+    """Applies the layer to a global ``x [B, S, D]``; returns ``y [B, S, D]`` sharded like x (and
+    ``max_logits [H]`` with ``spec.record_max_logits``)."""
     if getattr(x_BSD, "ndim", None) != 3 or x_BSD.shape[-1] != spec.in_features:
         raise ValueError(f"x.shape={getattr(x_BSD, 'shape', None)} must be (batch, seq_len, "
                          f"in_features={spec.in_features}).")
@@ -127,4 +128,5 @@ def layer_forward(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None,
     args = [params, place(x_BSD, mesh, X_SPEC)] + meta
     in_specs = [specs, X_SPEC] + meta_specs
     fn = partial(_layer_shard, spec=spec, layout=layout, dtype=dtype)
-    return shard_call(fn, mesh, tuple(in_specs), X_SPEC, args)
+    out_specs = (X_SPEC, P(TP)) if spec.record_max_logits else X_SPEC
+    return shard_call(fn, mesh, tuple(in_specs), out_specs, args)

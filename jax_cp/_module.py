@@ -36,7 +36,10 @@ class CPAttention(nnx.Module):
     kernel's tiles (``None``: ``jax_cp.kernels.auto_blocks``); ``logits_soft_cap=c`` caps the
     scaled logits to ``c * tanh(logits / c)``; ``use_sinks=True`` adds a ``sinks [num_heads]``
     parameter (zeros, split over ``tp`` with the heads): a learned logit per query head joining its
-    softmax denominator once (GPT-OSS attention sinks). ``self.spec`` is the validated
+    softmax denominator once (GPT-OSS attention sinks). ``record_max_logits=True`` sows each
+    call's per-head maximum logit (``[num_heads]`` float32, over the whole mesh; for QK-clip) as
+    ``nnx.Intermediate`` ``max_logits`` (read it with ``nnx.pop(model, nnx.Intermediate)``).
+    ``self.spec`` is the validated
     ``AttentionSpec``.
     """
 
@@ -47,13 +50,13 @@ class CPAttention(nnx.Module):
                  kernel: str = "auto", kv_exchange=AUTO, fused_qkv_chunks: int | str = AUTO,
                  sharding: AttentionSharding | None = None, block_q: int | None = None,
                  block_kv: int | None = None, logits_soft_cap: float | None = None, use_sinks: bool = False,
-                 rngs: nnx.Rngs):
+                 record_max_logits: bool = False, rngs: nnx.Rngs):
         self.spec = AttentionSpec(
             num_heads=num_heads, in_features=in_features, num_kv_heads=num_kv_heads, head_dim=head_dim,
             is_causal=is_causal, use_qk_norm=use_qk_norm, rope_theta=rope_theta, use_bias=use_bias,
             overlap_chunks=AUTO if overlap_chunks is None else overlap_chunks, kernel=kernel,
             kv_exchange=kv_exchange, fused_qkv_chunks=fused_qkv_chunks, block_q=block_q, block_kv=block_kv,
-            logits_soft_cap=logits_soft_cap, use_sinks=use_sinks)
+            logits_soft_cap=logits_soft_cap, use_sinks=use_sinks, record_max_logits=record_max_logits)
         self.mesh, self.dtype = mesh, dtype
         specs = storage_specs(self.spec, mesh, sharding)
         for name, shape in param_shapes(self.spec).items():
@@ -67,5 +70,9 @@ class CPAttention(nnx.Module):
 
     def __call__(self, x, *, positions=None, segment_ids=None, local_window_size=None):
         params = {name: getattr(self, name)[...] for name in param_shapes(self.spec)}
-        return layer_forward(params, x, mesh=self.mesh, spec=self.spec, dtype=self.dtype, positions=positions,
-                             segment_ids=segment_ids, local_window_size=local_window_size)
+        y = layer_forward(params, x, mesh=self.mesh, spec=self.spec, dtype=self.dtype, positions=positions,
+                          segment_ids=segment_ids, local_window_size=local_window_size)
+        if self.spec.record_max_logits:
+            y, max_logits = y
+            self.sow(nnx.Intermediate, "max_logits", max_logits)
+        return y

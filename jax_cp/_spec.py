@@ -33,7 +33,8 @@ class AttentionSpec:
     batch, heads and platform, ``jax_cp.kernels.auto_blocks``); splash and cuDNN pick their own.
     ``logits_soft_cap=c`` caps the scaled logits to ``c * tanh(logits / c)`` before the mask.
     ``use_sinks=True`` gives the layer a ``sinks [num_heads]`` parameter: one learned logit per query
-    head joining its softmax denominator (no value).
+    head joining its softmax denominator (no value). ``record_max_logits=True``: each call also
+    yields the per-head maximum of the logits that entered the softmax (for QK-clip).
     """
 
     num_heads: int
@@ -54,6 +55,7 @@ class AttentionSpec:
     block_kv: int | None = None
     logits_soft_cap: float | None = None
     use_sinks: bool = False
+    record_max_logits: bool = False
 
     def __post_init__(self):
         set_ = partial_setattr(self)
@@ -83,8 +85,9 @@ class AttentionSpec:
         _kernels.check_block("block_q", self.block_q)
         _kernels.check_block("block_kv", self.block_kv)
         set_("logits_soft_cap", _kernels.check_soft_cap(self.logits_soft_cap))
-        if not isinstance(self.use_sinks, bool):
-            raise ValueError(f"use_sinks={self.use_sinks!r} must be True or False.")
+        for name in ("use_sinks", "record_max_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
         if self.kv_exchange != AUTO:
             set_("kv_exchange", _exchanges.resolve(self.kv_exchange))
             self.kv_exchange.check_kernel(self.kernel)

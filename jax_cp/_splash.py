@@ -30,11 +30,13 @@ _IMAX = jnp.iinfo(jnp.int32).max
 _NEG = -1e30  # the log-sum-exp of rows that see no key (as the blockwise kernel's)
 
 
-def splash_unsupported_reason(*, window) -> str | None:
-    """Why splash cannot serve this mask (``None`` when it can)."""
+def splash_unsupported_reason(*, window, max_logits: bool = False) -> str | None:
+    """Why splash cannot serve this call (``None`` when it can)."""
     if window is not None:
         return (f"local_window_size={window} needs two bounds per query over explicit positions, "
                 "which the splash mask cannot express")
+    if max_logits:
+        return "the max-logit statistic (record_max_logits) is not among the splash kernel's outputs"
     return None
 
 

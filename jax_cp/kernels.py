@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_cp._blockwise import auto_blocks, blockwise_attention, check_block, check_sinks, check_soft_cap, vary_as
+from jax_cp._blockwise import (auto_blocks, blockwise_attention, check_block, check_sinks, check_soft_cap, head_max,
+                               vary_as)
 from jax_cp._cudnn import cudnn_attention, cudnn_unsupported_reason
 from jax_cp._masks import Window, normalize_window, visible
 from jax_cp._splash import splash_attention, splash_unsupported_reason
@@ -26,9 +27,11 @@ KERNELS = ("auto", "blockwise", "xla", "splash", "cudnn")
 def dense_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     is_causal=False, local_window_size: Window = None, scale=None, logits_soft_cap=None, sinks=None,
+    return_max_logits: bool = False,
 ):
     """Materialises the ``[T, S]`` scores (memory quadratic in S); float32 softmax. ``sinks [H]``
-    join each row's denominator (no value); gradients by autodiff."""
+    join each row's denominator (no value); gradients by autodiff. ``return_max_logits=True``:
+    ``(o, max_logits [H])`` as ``blockwise_attention``."""
     B, T, H, d = q_BTHd.shape
     K = k_BSKd.shape[2]
     scale = d**-0.5 if scale is None else scale
@@ -48,7 +51,10 @@ def dense_attention(
     denom = p.sum(-1, keepdims=True) + (0.0 if sinks is None else jnp.exp(sink - shift))
     p = p / jnp.where(denom == 0, 1.0, denom)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_BSKd.dtype), v_BSKd, preferred_element_type=jnp.float32)
-    return o.reshape(B, T, H, d).astype(q_BTHd.dtype)
+    o = o.reshape(B, T, H, d).astype(q_BTHd.dtype)
+    if return_max_logits:
+        return o, head_max(jnp.moveaxis(s.max(-1), 3, 1).reshape(B, T, H))  # [B, K, G, T] -> [B, T, H]
+    return o
 
 
 def check_kernel(kernel: str) -> str:
@@ -70,7 +76,8 @@ def target_platform() -> str:
 
 
 def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window, has_segments: bool,
-                  dtype, head_dim: int, soft_cap: bool = False, sinks: bool = False) -> str:
+                  dtype, head_dim: int, soft_cap: bool = False, sinks: bool = False,
+                  max_logits: bool = False) -> str:
     """Resolves ``"auto"`` and checks that an explicit choice can serve the mask.
 
     ``"auto"``: splash on TPU, cuDNN on GPU when the mask is expressible there,
@@ -78,9 +85,10 @@ def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window
     (slow, for tests); explicit cuDNN needs a GPU.
     """
     check_kernel(kernel)
-    splash_why = splash_unsupported_reason(window=window)
+    splash_why = splash_unsupported_reason(window=window, max_logits=max_logits)
     cudnn_why = cudnn_unsupported_reason(is_causal=is_causal, window=window, has_segments=has_segments,
-                                         dtype=dtype, head_dim=head_dim, soft_cap=soft_cap, sinks=sinks)
+                                         dtype=dtype, head_dim=head_dim, soft_cap=soft_cap, sinks=sinks,
+                                         max_logits=max_logits)
     if kernel == "auto":
         if platform == "tpu" and splash_why is None:
             return "splash"
@@ -88,7 +96,7 @@ def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window
             return "cudnn"
         return "blockwise"
     if kernel == "splash" and splash_why:
-        raise ValueError(f"kernel='splash' cannot serve this mask: {splash_why}; use kernel='blockwise' or 'auto'.")
+        raise ValueError(f"kernel='splash' cannot serve this call: {splash_why}; use kernel='blockwise' or 'auto'.")
     if kernel == "cudnn":
         if platform != "gpu":
             raise ValueError(f"kernel='cudnn' needs a CUDA GPU, but the target platform is {platform!r}; "
@@ -100,7 +108,8 @@ def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window
 
 def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=None,
              is_causal: bool = False, local_window_size: Window = None, has_segments: bool = False,
-             dtype=jnp.bfloat16, head_dim: int = 128, logits_soft_cap=None, use_sinks: bool = False) -> str:
+             dtype=jnp.bfloat16, head_dim: int = 128, logits_soft_cap=None, use_sinks: bool = False,
+             record_max_logits: bool = False) -> str:
     """One line: the kernel a call runs on ``platform`` (default: the default backend) and why.
 
     ``kv_exchange``: a ``jax_cp.exchanges`` value or name (default: the default exchange).
@@ -115,7 +124,7 @@ def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=N
     platform = platform or target_platform()
     window = normalize_window(local_window_size)
     needs = dict(is_causal=is_causal, window=window, has_segments=has_segments, dtype=dtype, head_dim=head_dim,
-                 soft_cap=logits_soft_cap is not None, sinks=use_sinks)
+                 soft_cap=logits_soft_cap is not None, sinks=use_sinks, max_logits=record_max_logits)
     chosen = select_kernel(kernel, platform=platform, **needs)
     if kernel != "auto":
         return f"{chosen} (explicit)"
@@ -123,7 +132,7 @@ def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=N
     if why:
         return f"{runs} (auto on {platform} with kv_exchange={exchange.name!r}: {why})"
     if chosen == "blockwise":
-        why = {"tpu": splash_unsupported_reason(window=window),
+        why = {"tpu": splash_unsupported_reason(window=window, max_logits=record_max_logits),
                "gpu": cudnn_unsupported_reason(**needs)}.get(platform)
         return f"blockwise (auto on {platform}" + (f": {why})" if why else ": the portable kernel)")
     return f"{chosen} (auto on {platform})"
@@ -132,25 +141,28 @@ def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=N
 def local_attention(
     q_BTHd, k_BSKd, v_BSKd, *, kernel: str = "auto", q_positions, kv_positions, q_segment_ids=None,
     kv_segment_ids=None, is_causal=False, local_window_size=None, scale=None, block_q=None, block_kv=None,
-    logits_soft_cap=None, sinks=None,
+    logits_soft_cap=None, sinks=None, return_max_logits: bool = False,
 ):
     """Runs the selected kernel (see ``KERNELS``, ``select_kernel``) on one device's share.
 
     ``block_q``/``block_kv`` size the blockwise kernel's tiles (``None``: ``auto_blocks``); the
-    platform kernels choose their own. ``sinks [H]``: per-query-head sink logits (or None)."""
+    platform kernels choose their own. ``sinks [H]``: per-query-head sink logits (or None).
+    ``return_max_logits=True``: ``(o, max_logits [H])`` (blockwise and ``"xla"`` only)."""
     window = normalize_window(local_window_size)
     chosen = select_kernel(kernel, platform=target_platform(), is_causal=is_causal, window=window,
                            has_segments=q_segment_ids is not None, dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1],
-                           soft_cap=logits_soft_cap is not None, sinks=sinks is not None)
+                           soft_cap=logits_soft_cap is not None, sinks=sinks is not None,
+                           max_logits=return_max_logits)
     if sinks is not None:
         sinks = vary_as(check_sinks(sinks, q_BTHd.shape[2]), q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions)
     kw = dict(q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
               kv_segment_ids=kv_segment_ids, is_causal=is_causal, local_window_size=window, scale=scale,
               logits_soft_cap=logits_soft_cap, sinks=sinks)
     if chosen == "xla":
-        return dense_attention(q_BTHd, k_BSKd, v_BSKd, **kw)
+        return dense_attention(q_BTHd, k_BSKd, v_BSKd, **kw, return_max_logits=return_max_logits)
     if chosen == "blockwise":
-        return blockwise_attention(q_BTHd, k_BSKd, v_BSKd, **kw, block_q=block_q, block_kv=block_kv)
+        return blockwise_attention(q_BTHd, k_BSKd, v_BSKd, **kw, block_q=block_q, block_kv=block_kv,
+                                   return_max_logits=return_max_logits)
     if chosen == "splash":
         return splash_attention(q_BTHd, k_BSKd, v_BSKd, interpret=target_platform() != "tpu", **kw)
     return cudnn_attention(q_BTHd, k_BSKd, v_BSKd, scale=scale)

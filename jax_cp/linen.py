@@ -19,7 +19,9 @@ class CPAttention(nn.Module):
     """Linen context-parallel attention; parameters boxed with ``nn.Partitioned`` names.
 
     ``nn.get_partition_spec(variables)`` gives their layout, e.g. for
-    ``jax.jit(model.init, out_shardings=...)``.
+    ``jax.jit(model.init, out_shardings=...)``. ``record_max_logits=True`` sows the per-head
+    maximum logit into the ``"intermediates"`` collection as ``max_logits``
+    (``model.apply(..., mutable=["intermediates"])``).
     """
 
     num_heads: int
@@ -43,6 +45,7 @@ class CPAttention(nn.Module):
     block_kv: int | None = None
     logits_soft_cap: float | None = None
     use_sinks: bool = False
+    record_max_logits: bool = False
 
     @property
     def spec(self) -> AttentionSpec:
@@ -52,7 +55,8 @@ class CPAttention(nn.Module):
             rope_theta=self.rope_theta, use_bias=self.use_bias, kernel=self.kernel, kv_exchange=self.kv_exchange,
             overlap_chunks=AUTO if self.overlap_chunks is None else self.overlap_chunks,
             fused_qkv_chunks=self.fused_qkv_chunks, block_q=self.block_q, block_kv=self.block_kv,
-            logits_soft_cap=self.logits_soft_cap, use_sinks=self.use_sinks)
+            logits_soft_cap=self.logits_soft_cap, use_sinks=self.use_sinks,
+            record_max_logits=self.record_max_logits)
 
     @nn.compact
     def __call__(self, x, *, positions=None, segment_ids=None, local_window_size=None):
@@ -63,8 +67,12 @@ class CPAttention(nn.Module):
             init = lambda key, shape, dtype, name=name: _born_placed(
                 init_param(name, shape, key, dtype, self.kernel_init), self.mesh, specs[name])
             params[name] = self.param(name, nn.with_partitioning(init, tuple(specs[name])), shape, self.param_dtype)
-        return layer_forward(params, x, mesh=self.mesh, spec=spec, dtype=self.dtype, positions=positions,
-                             segment_ids=segment_ids, local_window_size=local_window_size)
+        y = layer_forward(params, x, mesh=self.mesh, spec=spec, dtype=self.dtype, positions=positions,
+                          segment_ids=segment_ids, local_window_size=local_window_size)
+        if spec.record_max_logits:
+            y, max_logits = y
+            self.sow("intermediates", "max_logits", max_logits)
+        return y
 
 
 def _born_placed(value, mesh, spec):

@@ -20,12 +20,14 @@ __all__ = ["Attention", "attend", "attention_layer", "dot_product_attention"]
 def attend(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     is_causal=False, local_window_size=None, scale=None, logits_soft_cap=None, sinks=None,
+    return_max_logits=False,
 ):
     """Dense masked attention in BSHD layout with explicit positions, float32 math.
 
     ``logits_soft_cap=c``: the scaled logits become ``c * tanh(logits / c)`` before the mask.
     ``sinks [H]``: one more logit per query head in every row's softmax, whose value is zero.
-    Rows with no visible key return zeros (and get zero gradients).
+    Rows with no visible key return zeros (and get zero gradients). ``return_max_logits=True``:
+    ``(o, max_logits [H])``, the largest logit (after the cap) over visible pairs, ``-inf`` if none.
     """
     H, K = q_BTHd.shape[2], k_BSKd.shape[2]
     scale = q_BTHd.shape[-1] ** -0.5 if scale is None else scale
@@ -38,21 +40,28 @@ def attend(
     mask_BTS = visible(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                        is_causal=is_causal, window=normalize_window(local_window_size))
     mask = mask_BTS[:, None]
-    s_BHTS = jnp.where(mask, s_BHTS, -1e30)
+    o = _softmax_values(jnp.where(mask, s_BHTS, -1e30), mask, v, sinks).astype(q_BTHd.dtype)
+    if return_max_logits:
+        return o, jax.lax.stop_gradient(jnp.where(mask, s_BHTS, -jnp.inf).max((0, 2, 3)))
+    return o
+
+
+def _softmax_values(s_BHTS, mask, v, sinks):
     if sinks is not None:  # the sink as one more key column, dropped after the softmax
-        B, _, T, S = s_BHTS.shape
+        B, H, T, S = s_BHTS.shape
         sink_BHT1 = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (B, H, T, 1))
         p = jax.nn.softmax(jnp.concatenate([s_BHTS, sink_BHT1], axis=-1), axis=-1)[..., :S] * mask
-        return jnp.einsum("bhts,bshd->bthd", p, v).astype(q_BTHd.dtype)
+        return jnp.einsum("bhts,bshd->bthd", p, v)
     p = jnp.exp(s_BHTS - jax.lax.stop_gradient(s_BHTS.max(-1, keepdims=True))) * mask
     denom = p.sum(-1, keepdims=True)
     p = p / jnp.where(denom == 0, 1.0, denom)
-    return jnp.einsum("bhts,bshd->bthd", p, v).astype(q_BTHd.dtype)
+    return jnp.einsum("bhts,bshd->bthd", p, v)
 
 
 def dot_product_attention(
     query, key, value, *, is_causal=False, scale=None, layout="BSHD",
     positions=None, segment_ids=None, local_window_size=None, logits_soft_cap=None, sinks=None,
+    return_max_logits=False,
 ):
     """The single-device twin of :func:`jax_cp.dot_product_attention`.
 
@@ -71,13 +80,18 @@ def dot_product_attention(
         segment_ids = jnp.broadcast_to(segment_ids, (B, S))
     out = attend(query, key, value, q_positions=positions, kv_positions=positions,
                  q_segment_ids=segment_ids, kv_segment_ids=segment_ids, is_causal=is_causal,
-                 local_window_size=local_window_size, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks)
+                 local_window_size=local_window_size, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                 return_max_logits=return_max_logits)
+    if return_max_logits:
+        out, max_logits = out
+        return (jnp.swapaxes(out, 1, 2) if layout == "BNSD" else out), max_logits
     return jnp.swapaxes(out, 1, 2) if layout == "BNSD" else out
 
 
 def attention_layer(params: dict, x_BSD, *, spec: AttentionSpec, dtype=None, positions=None,
                       segment_ids=None, local_window_size=None, scale=None):
-    """Single-device twin of ``jax_cp.CPAttention``'s forward (plain jnp, float32 attention)."""
+    """Single-device twin of ``jax_cp.CPAttention``'s forward (plain jnp, float32 attention);
+    ``(y, max_logits)`` with ``spec.record_max_logits``."""
     B, S, _ = x_BSD.shape
     dtype = jnp.dtype(x_BSD.dtype if dtype is None else dtype)
     # Ground truth: every operation in float32 from the given values; only the result is cast.
@@ -96,11 +110,12 @@ def attention_layer(params: dict, x_BSD, *, spec: AttentionSpec, dtype=None, pos
         q, k = apply_rope(q, pos, spec.rope_theta), apply_rope(k, pos, spec.rope_theta)
     o = attend(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
                is_causal=spec.is_causal, local_window_size=local_window_size, scale=scale,
-               logits_soft_cap=spec.logits_soft_cap, sinks=w.get("sinks"))
+               logits_soft_cap=spec.logits_soft_cap, sinks=w.get("sinks"), return_max_logits=spec.record_max_logits)
+    o, *max_logits = o if spec.record_max_logits else (o,)
     y = jnp.einsum("bshe,hed->bsd", o, w["o_kernel"])
     if spec.use_bias:
         y = y + w["o_bias"][None, None]
-    return y.astype(dtype)
+    return (y.astype(dtype), *max_logits) if max_logits else y.astype(dtype)
 
 
 class Attention(nnx.Module):
@@ -113,12 +128,12 @@ class Attention(nnx.Module):
 
     def __init__(self, num_heads, in_features, *, num_kv_heads=None, head_dim=None, is_causal=False,
                  use_qk_norm=False, rope_theta=None, use_bias=False, use_sinks=False, logits_soft_cap=None,
-                 dtype=None, param_dtype=jnp.float32,
+                 record_max_logits=False, dtype=None, param_dtype=jnp.float32,
                  kernel_init=nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
         self.spec = AttentionSpec(
             num_heads=num_heads, in_features=in_features, num_kv_heads=num_kv_heads, head_dim=head_dim,
             is_causal=is_causal, use_qk_norm=use_qk_norm, rope_theta=rope_theta, use_bias=use_bias,
-            use_sinks=use_sinks, logits_soft_cap=logits_soft_cap,
+            use_sinks=use_sinks, logits_soft_cap=logits_soft_cap, record_max_logits=record_max_logits,
         )
         self.dtype = dtype
         for name, shape in param_shapes(self.spec).items():
@@ -126,5 +141,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x, *, positions=None, segment_ids=None, local_window_size=None):
         params = {name: getattr(self, name)[...] for name in param_shapes(self.spec)}
-        return attention_layer(params, x, spec=self.spec, dtype=self.dtype, positions=positions,
-                               segment_ids=segment_ids, local_window_size=local_window_size)
+        y = attention_layer(params, x, spec=self.spec, dtype=self.dtype, positions=positions,
+                            segment_ids=segment_ids, local_window_size=local_window_size)
+        if self.spec.record_max_logits:
+            y, max_logits = y
+            self.sow(nnx.Intermediate, "max_logits", max_logits)
+        return y

@@ -183,7 +183,7 @@ def test_auto_selection(platform, mask, dtype, head_dim, want):
 
 
 ERRORS = [
-    (dict(kernel="splash", platform="tpu", window=(4, 0)), r"kernel='splash' cannot serve this mask: local_window_size=\(4, 0\)"),
+    (dict(kernel="splash", platform="tpu", window=(4, 0)), r"kernel='splash' cannot serve this call: local_window_size=\(4, 0\)"),
     (dict(kernel="cudnn", platform="cpu"), r"kernel='cudnn' needs a CUDA GPU, but the target platform is 'cpu'"),
     (dict(kernel="cudnn", platform="gpu", is_causal=True), r"kernel='cudnn' cannot serve this call: is_causal=True"),
     (dict(kernel="cudnn", platform="gpu", has_segments=True), r"segment_ids are not expressible"),
@@ -203,7 +203,7 @@ def test_kernel_choice_errors(spec, match):
 def test_errors_reach_the_caller():
     mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2)
     (q, k, v), _, _ = _inputs(2, 32, 32, 4, 2, 8, F32)
-    with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this mask: local_window_size=\(3, 3\)"):
+    with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this call: local_window_size=\(3, 3\)"):
         jax_cp.dot_product_attention(q, k, v, mesh=mesh, kernel="splash", local_window_size=3)
     with pytest.raises(ValueError, match=r"kernel='cudnn' needs a CUDA GPU"):
         jax_cp.dot_product_attention(q, k, v, mesh=mesh, kernel="cudnn")
@@ -273,5 +273,5 @@ def test_describe_says_what_auto_chose_and_why():
     assert kernels.describe(kernel="splash", platform="tpu") == "splash (explicit)"
     with pytest.raises(ValueError, match=r"kernel='xla' cannot run kv_exchange='ring'"):
         kernels.describe(kernel="xla", kv_exchange="ring")
-    with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this mask: local_window_size=\(4, 0\)"):
+    with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this call: local_window_size=\(4, 0\)"):
         kernels.describe(kernel="splash", platform="tpu", local_window_size=(4, 0))

@@ -104,7 +104,7 @@ def test_ring_errors():
         jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="ring", kernel="xla")
     with pytest.raises(ValueError, match=r"kernel='xla' cannot run kv_exchange='ring'"):  # at construction
         jax_cp.CPAttention(8, 16, mesh=mesh, kv_exchange="ring", kernel="xla", rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this mask: local_window_size=\(4, 0\)"):
+    with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this call: local_window_size=\(4, 0\)"):
         jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="ring", kernel="splash",
                                      is_causal=True, local_window_size=(4, 0))
     with pytest.raises(ValueError, match=r"kv_exchange='tree' must be one of \('all_gather', 'all_to_all', 'ring'\)"):

@@ -57,7 +57,8 @@ class KVExchange:
 
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
         """Per device: queries and K/V of the colossal chunk (heads split) -> ``o [B, T, H, d]``;
-        ``sinks [H]``: the device's query heads' sink logits (joining the softmax once), or None."""
+        ``sinks [H]``: the device's query heads' sink logits (joining the softmax once), or None.
+        With ``spec.record_max_logits``: ``(o, max_logits [H])`` of the device's queries."""
         raise NotImplementedError
 
     def reference(self, q_BTHd, k_BSKd, v_BSKd, q_meta: Meta, kv_meta: Meta, spec):
@@ -83,5 +84,5 @@ def attend_gathered(q_BTHd, kv_BS2Kd, meta: Meta, spec, sinks=None):
         q_BTHd, kv_BS2Kd[:, :, 0], kv_BS2Kd[:, :, 1], kernel=spec.kernel, q_positions=pos,
         kv_positions=meta.pos, q_segment_ids=seg, kv_segment_ids=meta.seg, is_causal=spec.is_causal,
         local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q, block_kv=spec.block_kv,
-        logits_soft_cap=spec.logits_soft_cap, sinks=sinks,
+        logits_soft_cap=spec.logits_soft_cap, sinks=sinks, return_max_logits=spec.record_max_logits,
     )

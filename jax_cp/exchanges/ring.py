@@ -54,7 +54,10 @@ def _forward(q, k, v, pos, seg, axis_name, spec):
     qm = bw.Meta(pos, seg)
 
     def attend(carry, kv):  # continues the running softmax: no second output buffer
-        return bw.forward(q, kv[0], kv[1], qm, bw.Meta(kv[2], kv[3]), spec, state=carry)
+        out = bw.forward(q, kv[0], kv[1], qm, bw.Meta(kv[2], kv[3]), spec, state=None if carry is None else carry[:2])
+        if spec.max_logits and carry is not None:  # (o, lse, the rows' largest logit so far)
+            out = (*out[:2], jnp.maximum(carry[2], out[2]))
+        return out
 
     return _loop(attend, (k, v, pos, seg), axis_name)
 
@@ -66,13 +69,17 @@ def _ring(q, k, v, pos, seg, sinks, axis_name, spec):
 
 def _ring_fwd(q, k, v, pos, seg, sinks, axis_name, spec):
     # The sinks join the softmax once, after the last chunk (not once per step or device).
-    o, lse = bw.fold_sinks(*_forward(q, k, v, pos, seg, axis_name, spec), sinks)
+    o, lse, *row_max = _forward(q, k, v, pos, seg, axis_name, spec)
+    o, lse = bw.fold_sinks(o, lse, sinks)
     o = o.astype(q.dtype)
-    return o, (q, k, v, pos, seg, o, lse, sinks)
+    out = (o, bw.head_max(row_max[0])) if spec.max_logits else o
+    return out, (q, k, v, pos, seg, o, lse, sinks)
 
 
 def _ring_bwd(axis_name, spec, res, do):
     q, k, v, pos, seg, o, lse, sinks = res
+    if spec.max_logits:
+        do = do[0]  # the statistic has no gradient
     c = lax.axis_size(axis_name)
     qm = bw.Meta(pos, seg)
     delta = jnp.einsum("bthd,bthd->bth", do.astype(jnp.float32), o.astype(jnp.float32))
@@ -183,16 +190,19 @@ def splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_n
 def ring_attention(
     q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_name: str, is_causal=False, local_window_size=None,
     scale=None, block_q: int | None = None, block_kv: int | None = None, logits_soft_cap=None, sinks=None,
+    return_max_logits: bool = False,
 ):
     """Attention of this device's chunk to every chunk on the ``axis_name`` ring (inside ``shard_map``).
 
     Inputs are the device's contiguous chunk (queries, keys, values, their global
     positions and segment ids); returns ``o [B, T, H, d]``. ``c = 1`` is plain
     blockwise attention. ``sinks [H]`` (this device's query heads) join the softmax once, after
-    the last step.
+    the last step. ``return_max_logits=True``: ``(o, max_logits [H])``, the device's queries'
+    largest visible logit per head over every step (``-inf`` if none).
     """
     spec = bw.make_spec(q_BTHd.shape[-1], is_causal=is_causal, local_window_size=local_window_size,
-                        scale=scale, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap)
+                        scale=scale, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap,
+                        return_max_logits=return_max_logits)
     pos = jnp.asarray(pos_BT, jnp.int32)
     seg = None if seg_BT is None else jnp.asarray(seg_BT, jnp.int32)
     sinks = _checked_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos, seg)
@@ -223,12 +233,14 @@ class Ring(KVExchange):
         return "blockwise", f"the ring's steps merge log-sum-exps, which {name} does not return"
 
     def kernel(self, spec, q_BTHd, has_segments: bool) -> str:
-        """The kernel each ring step runs: ``auto`` is splash on TPU when the mask is expressible
-        there (no window), blockwise otherwise; an explicit choice that cannot serve raises."""
+        """The kernel each ring step runs: ``auto`` is splash on TPU when the call is expressible
+        there (no window, no max-logit statistic), blockwise otherwise; an explicit choice that
+        cannot serve raises."""
         chosen = _kernels.select_kernel(spec.kernel, platform=_kernels.target_platform(), is_causal=spec.is_causal,
                                         window=normalize_window(spec.local_window_size), has_segments=has_segments,
                                         dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1],
-                                        soft_cap=spec.logits_soft_cap is not None)
+                                        soft_cap=spec.logits_soft_cap is not None,
+                                        max_logits=spec.record_max_logits)
         return self.step_kernel(chosen)[0]
 
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
@@ -240,4 +252,5 @@ class Ring(KVExchange):
                                          interpret=_kernels.target_platform() != "tpu")
         return ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL, is_causal=spec.is_causal,
                               local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q,
-                              block_kv=spec.block_kv, logits_soft_cap=spec.logits_soft_cap, sinks=sinks)
+                              block_kv=spec.block_kv, logits_soft_cap=spec.logits_soft_cap, sinks=sinks,
+                              return_max_logits=spec.record_max_logits)
