@@ -1,7 +1,8 @@
 """Attention sinks (``sinks [H]``: one learned logit per query head in every row's softmax
 denominator, no value): the reference against the definition, every kernel and exchange against the
-reference (forward and gradients, the sinks' included), the ring applying them exactly once, the
-modules' ``use_sinks`` parameter, and the errors."""
+reference (forward and gradients, the sinks' included; on the exchanges together with the soft cap
+and the max-logit statistic), the ring applying them exactly once, the modules' ``use_sinks``
+parameter, and the errors."""
 import os
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -16,9 +17,10 @@ from flax import nnx
 import jax_cp
 import jax_cp.linen
 from jax_cp import kernels, load_balance, reference
-from util import assert_close, assert_matches, random_qkv
+from util import assert_close, assert_matches, fwd_and_vjp, random_qkv
 
 B, S, H, d = 2, 32, 8, 8
+CAP = 1.5  # below the largest scaled logits of the inputs below (q * 3), so capping matters
 
 
 def _sinks(h=H, seed=7):
@@ -69,28 +71,40 @@ def _ref(**kw):
     return lambda q, k, v, s: reference.dot_product_attention(q, k, v, sinks=s, **kw)
 
 
-@pytest.mark.parametrize("layout, kv_exchange, mask, dtype", [
-    ((1, 8, 1), "all_gather", "causal", jnp.float32),        # Ulysses
-    ((8, 1, 1), "all_gather", "balanced", jnp.float32),      # all-gather, load-balanced
-    ((2, 2, 2), "all_to_all", "packed", jnp.float32),        # hybrid x tp, packed documents
-    ((4, 2, 1), "ring", "balanced", jnp.float32),            # hybrid ring, load-balanced
-    ((2, 1, 2), "ring", "window", jnp.float32),              # ring x tp, sliding window
-    ((2, 2, 2), "all_gather", "causal", jnp.bfloat16),       # hybrid x tp in bfloat16
-    ((4, 1, 1), "ring", "full", jnp.bfloat16),               # ring in bfloat16
+@pytest.mark.parametrize("layout, kv_exchange, mask, K, dtype", [
+    ((1, 8, 1), "all_gather", "causal", 2, jnp.float32),        # Ulysses
+    ((8, 1, 1), "all_gather", "balanced", 2, jnp.float32),      # all-gather, load-balanced
+    ((2, 2, 2), "all_to_all", "packed", 2, jnp.float32),        # hybrid x tp, packed documents
+    ((4, 2, 1), "ring", "balanced", 1, jnp.float32),            # hybrid ring, load-balanced, MQA
+    ((2, 1, 2), "ring", "window", 2, jnp.float32),              # ring x tp (dp = 2), sliding window
+    ((2, 2, 2), "all_gather", "causal", 2, jnp.bfloat16),       # hybrid x tp in bfloat16
+    ((4, 1, 1), "ring", "full", 2, jnp.bfloat16),               # ring in bfloat16
 ])
-def test_every_exchange_applies_the_sinks_once(layout, kv_exchange, mask, dtype):
+def test_every_exchange_with_sinks_soft_cap_and_max_logits(layout, kv_exchange, mask, K, dtype):
+    """Issue 19's per-logit features together, against the reference that states each plainly:
+    the sinks join each softmax once (not per device or ring step), each logit is capped once, and
+    the max-logit statistic is reduced over the whole mesh; forward, the statistic, and the gradients
+    of q, k, v and the sinks."""
     c, u, t = layout
     mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
-    q, k, v, ct = random_qkv(B, S, H, 2, d, dtype, seed=3)
-    kw = dict(is_causal=mask != "full")
+    q, k, v, ct = random_qkv(B, S, H, K, d, dtype, seed=3)
+    q = q * 3.0  # logits well above the cap: capping changes the result
+    kw = dict(is_causal=mask != "full", logits_soft_cap=CAP, return_max_logits=True)
     if mask == "balanced":
         (q, k, v, ct), kw["positions"] = load_balance.reorder((q, k, v, ct), mesh)
     if mask == "packed":
         kw["segment_ids"] = jnp.arange(S) // 12
     if mask == "window":
         kw["local_window_size"] = (5, 0)
-    assert_matches(_call(mesh, kv_exchange, **kw), _ref(**kw), (q, k, v, _sinks().astype(dtype)), ct, dtype,
-                   f"{layout} {kv_exchange} {mask}")
+    args, cts = (q, k, v, _sinks().astype(dtype)), (ct, jnp.zeros(H))
+    (out, m), grads = fwd_and_vjp(_call(mesh, kv_exchange, **kw), args, cts)
+    (r_out, r_m), r_grads = fwd_and_vjp(_ref(**kw), args, cts)
+    what = f"{layout} {kv_exchange} {mask}"
+    assert_close(out, r_out, dtype, f"forward {what}")
+    assert_close(m, r_m, dtype, f"max logits {what}")
+    assert float(m.max()) < CAP
+    for name, g, rg in zip(("q", "k", "v", "sinks"), grads, r_grads):
+        assert_close(g, rg, dtype, f"d{name} {what}")
 
 
 def test_the_ring_adds_the_sink_once_not_once_per_step():

@@ -357,11 +357,12 @@ PLAN = dict(model="tiny", seq_len=2048, batch=2, cp_colossal=2, cp_ulysses=2, tp
             overlap_chunks=2, kernel="blockwise")
 
 
-def test_plan_one_training_step_for_a_tpu_topology():
+def test_plan_one_training_step_for_a_tpu_topology(monkeypatch, capsys):
     """plan_train_step: the whole step (2 layers, AdamW, clipping) compiled for v5e:2x4 ahead of time;
     nothing allocated. Arguments hold at least every parameter, moment and batch shard, and the state
     is donated as in training (aliased: counted once in the peak); each layer's exchanges appear
-    forward and backward, the dK/dV all-to-alls each with compute inside."""
+    forward and backward, the dK/dV all-to-alls each with compute inside. Then the CLI on the same
+    step (``_check_plan_cli``, handed this compile instead of a second one)."""
     pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
     cfg = train.TrainConfig(**PLAN)
     a = train.plan_train_step(cfg, "v5e:2x4")
@@ -384,13 +385,24 @@ def test_plan_one_training_step_for_a_tpu_topology():
     assert both in a2a["fwd"] and not any(c.kind == "reduce-scatter" for c in a.schedule.collectives)
     assert all(c.overlapped for c in cp["bwd"] if c.kind == "all-to-all" and c.axes == both)
     assert 0 < a.overlap("fwd") < a.overlap("bwd") <= 1
+    _check_plan_cli(a, monkeypatch, capsys)
 
 
-def test_plan_cli(capsys):
-    """``python -m models.train --plan TOPOLOGY``: the report instead of a run; a bad topology is one line."""
-    pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
+def _check_plan_cli(analysis, monkeypatch, capsys):
+    """``python -m models.train --plan TOPOLOGY``: the report instead of a run; a bad topology is one
+    line. When the CLI asks for the step ``TrainConfig(**PLAN)`` describes on v5e:2x4, it is handed
+    that step's compiled ``analysis``; any other request (the bad ones) runs the real planner."""
+    asked, real = [], train.plan_train_step
+
+    def planned(cfg, topology=None, **kw):
+        asked.append(cfg)
+        same = cfg.plan == "v5e:2x4" and all(getattr(cfg, k) == v for k, v in PLAN.items())
+        return analysis if same and topology is None and not kw else real(cfg, topology, **kw)
+
+    monkeypatch.setattr(train, "plan_train_step", planned)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in PLAN.items()]
     train.main(["--plan", "v5e:2x4", *flags, "--out", "/nonexistent/never-written"])
+    assert len(asked) == 1 and all(getattr(asked[0], k) == v for k, v in PLAN.items()), asked
     out = capsys.readouterr().out
     for needle in ("one training step of tiny on v5e:2x4 (TPU v5 lite)", "kv_exchange=all_to_all overlap_chunks=2",
                    "memory: total (peak)", "fits HBM budget 16.00 GiB", "overlap fraction bwd",
