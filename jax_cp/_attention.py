@@ -20,9 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 from jax_cp._blockwise import check_sinks
 from jax_cp._defaults import AUTO
-from jax_cp._body import GivenQKV, attention_shard, check_dtype, placed_metadata, shard_call
+from jax_cp._body import GivenQKV, attention_shard, check_dtype, check_metadata, placed_metadata, shard_call
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place
 from jax_cp._spec import AttentionSpec, check_seq_batch
+from jax_cp.kernels import KERNELS
 
 __all__ = ["dot_product_attention", "LAYOUTS"]
 
@@ -30,16 +31,21 @@ LAYOUTS = ("BSHD", "BNSD")
 X_SPEC = P(DP, CP, TP, None)  # [B, S, H, d]
 
 
-def _shard_fn(q, k, v, sinks, pos_BS, seg_BS=None, *, spec):
-    return attention_shard(GivenQKV(q, k, v, sinks), pos_BS, seg_BS, spec=spec)
+def _shard_fn(q, k, v, sinks, pos_BS, seg_BS=None, kv_seg_BS=None, *, spec):
+    return attention_shard(GivenQKV(q, k, v, sinks), pos_BS, seg_BS, kv_seg_BS, spec=spec)
 
 
 def _check_qkv(query, key, value, layout):
+    """Checked ``[B, S, H, d]`` q, k, v (from ``layout``; rank-3 unbatched inputs get a batch of 1)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}.")
+    ranks = {getattr(a, "ndim", None) for a in (query, key, value)}
     for name, a in (("query", query), ("key", key), ("value", value)):
-        if getattr(a, "ndim", None) != 4:
-            raise ValueError(f"{name}.shape={getattr(a, 'shape', None)} must have rank 4 ({layout}).")
+        if len(ranks) > 1 or getattr(a, "ndim", None) not in (3, 4):
+            raise ValueError(f"{name}.shape={getattr(a, 'shape', None)} must have rank 4 ({layout}), or rank 3 "
+                             f"({layout[1:]}: one unbatched sequence) for query, key and value alike.")
+    if ranks == {3}:
+        query, key, value = (a[None] for a in (query, key, value))
     if layout == "BNSD":
         query, key, value = (jnp.swapaxes(a, 1, 2) for a in (query, key, value))
     B, S, H, d = query.shape
@@ -56,21 +62,46 @@ def _check_qkv(query, key, value, layout):
     return query, key, value
 
 
+# jax.nn.dot_product_attention's ``implementation=`` values and the jax_cp kernel each names.
+IMPLEMENTATIONS = {None: "auto", "xla": "xla", "cudnn": "cudnn"}
+
+
+def _check_jax_nn_arguments(bias, mask, implementation, kernel) -> str:
+    """jax.nn's arguments: ``bias``/``mask`` refused with the data-driven alternative; ``implementation``
+    mapped to ``kernel`` (one of the two)."""
+    if bias is not None:
+        raise ValueError("bias= is not supported: a dense [B, N, T, S] bias is quadratic in the sequence, which "
+                         "context parallelism shards. State the pattern by data instead: positions=, segment_ids=, "
+                         "is_causal=, local_window_size= (masks), logits_soft_cap= or sinks=.")
+    if mask is not None:
+        raise ValueError("mask= is not supported: a dense [B, N, T, S] boolean mask is quadratic in the sequence, "
+                         "which context parallelism shards. State it by data instead: is_causal=, "
+                         "local_window_size=, segment_ids= (documents; a negative id pads a token) and positions=.")
+    if implementation is None:
+        return kernel
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r} must be one of {tuple(IMPLEMENTATIONS)} (jax.nn's values; "
+                         f"or pass kernel=, one of {KERNELS}).")
+    if kernel != "auto":
+        raise ValueError(f"implementation={implementation!r} and kernel={kernel!r} both choose the kernel; pass one.")
+    return IMPLEMENTATIONS[implementation]
+
+
 def dot_product_attention(
-    query, key, value, *, mesh, is_causal=False, scale=None, layout="BSHD",
+    query, key, value, bias=None, mask=None, *, mesh, is_causal=False, scale=None, layout="BSHD",
     positions=None, segment_ids=None, local_window_size=None,
     kernel="auto", kv_exchange=AUTO, block_q=None, block_kv=None, logits_soft_cap=None, sinks=None,
-    return_max_logits=False,
+    return_max_logits=False, implementation=None, return_residual=False, query_seq_lengths=None,
+    key_value_seq_lengths=None,
 ):
     """Context-parallel counterpart of ``jax.nn.dot_product_attention``.
 
-    Global arrays in, a global array out (sharded over the mesh like the query
-    after resharding: batch on ``dp``, sequence on ``(cp_colossal, cp_ulysses)``,
-    heads on ``tp``). The strategy follows the mesh: Ulysses when
-    ``cp_colossal=1``, Colossal when ``cp_ulysses=1``, hybrid when both are > 1.
-    ``layout`` is ``"BSHD"`` or ``"BNSD"``. ``positions`` and ``segment_ids``
-    (``[S]`` or ``[B, S]`` ints) give the global position and document of each
-    token in the order given; masks come from them. ``kv_exchange`` moves K/V
+    Global arrays in, a global array out (batch on ``dp``, sequence on ``(cp_colossal, cp_ulysses)``,
+    heads on ``tp``). Ulysses when ``cp_colossal=1``, Colossal when ``cp_ulysses=1``, else hybrid.
+    ``layout`` is ``"BSHD"`` or ``"BNSD"`` (rank 3: one unbatched sequence, as in ``jax.nn``);
+    jax.nn's ``implementation=None/"xla"/"cudnn"`` is ``kernel="auto"/"xla"/"cudnn"``; ``bias``/``mask``
+    are refused (quadratic under CP). ``positions`` and ``segment_ids`` (``[S]`` or ``[B, S]`` ints)
+    give each token's global position and document in the order given. ``kv_exchange`` moves K/V
     over ``cp_colossal``: a ``jax_cp.exchanges`` value, its name (see
     ``jax_cp.exchanges.NAMES``) or ``"auto"`` (the measured rule for the chip and layout).
     ``block_q``/``block_kv`` size the blockwise kernel's tiles on each device (``None``: from the
@@ -81,26 +112,78 @@ def dot_product_attention(
     ``return_max_logits=True`` returns ``(out, max_logits)``: per query head (``[H]`` float32) the
     largest logit that entered the softmax over every visible pair, reduced over the whole mesh
     (``-inf`` if none; no gradient), for QK-clip / MuonClip; blockwise and ``"xla"`` kernels only.
+    ``return_residual=True`` (jax.nn's) also returns each row's log-sum-exp of the logits (``[B, T, H]``
+    float32, ``[B, H, T]`` for BNSD; sinks included; ``-inf`` for a query that sees no key),
+    differentiable: ``(out, residual)``, or ``(out, max_logits, residual)`` with both.
+    jax.nn's ``query_seq_lengths``/``key_value_seq_lengths`` (``[B]``): tokens at positions from
+    the length on are padding as queries (zero output) / as keys (never seen).
     """
+    kernel = _check_jax_nn_arguments(bias, mask, implementation, kernel)
     dims = mesh_dims(mesh)
+    unbatched = getattr(query, "ndim", None) == 3
     query, key, value = _check_qkv(query, key, value, layout)
-    B, S, H, d = query.shape
-    K = key.shape[2]
-    spec = AttentionSpec(num_heads=H, num_kv_heads=K, head_dim=d, is_causal=is_causal, scale=scale,
-                         local_window_size=local_window_size, kernel=kernel, kv_exchange=kv_exchange,
-                         overlap_chunks=1, fused_qkv_chunks=0, block_q=block_q, block_kv=block_kv,
-                         logits_soft_cap=logits_soft_cap, record_max_logits=bool(return_max_logits))
-    spec, _ = spec.resolve(mesh, batch=B, seq_len=S, itemsize=query.dtype.itemsize)
+    (B, S, H, d), K = query.shape, key.shape[2]
+    spec = _resolved_spec(mesh, query, K, is_causal=is_causal, scale=scale, local_window_size=local_window_size,
+                          kernel=kernel, kv_exchange=kv_exchange, block_q=block_q, block_kv=block_kv,
+                          logits_soft_cap=logits_soft_cap, record_max_logits=bool(return_max_logits),
+                          return_residual=bool(return_residual))
     rep = spec.layout(dims).kv_expanded // K  # minimal repetition so t*u devices each hold whole kv heads
     check_seq_batch(B, S, dims)
-    meta, meta_specs = placed_metadata(positions, segment_ids, B, S, mesh)
+    segment_ids, kv_segment_ids = _length_padding(segment_ids, positions, query_seq_lengths,
+                                                  key_value_seq_lengths, B, S)
+    meta, meta_specs = placed_metadata(positions, segment_ids, B, S, mesh, kv_segment_ids)
     if rep > 1:
         key, value = (jnp.repeat(a, rep, axis=2) for a in (key, value))
     sinks = None if sinks is None else place(check_sinks(sinks, H), mesh, P(TP))
-    args = [place(a, mesh, X_SPEC) for a in (query, key, value)] + [sinks] + meta
-    in_specs = [X_SPEC] * 3 + [P(TP)] + meta_specs
-    out_specs = (X_SPEC, P(TP)) if spec.record_max_logits else X_SPEC
-    out = shard_call(partial(_shard_fn, spec=spec), mesh, tuple(in_specs), out_specs, args)
-    out, *max_logits = out if spec.record_max_logits else (out,)
-    out = jnp.swapaxes(out, 1, 2) if layout == "BNSD" else out
-    return (out, *max_logits) if max_logits else out
+    out = _shard_attention(spec, mesh, [query, key, value, sinks] + meta, meta_specs)
+    return _as_given(out, layout, unbatched)
+
+
+def _resolved_spec(mesh, query, num_kv_heads: int, **options) -> AttentionSpec:
+    """The call's ``AttentionSpec`` (one head chunk, no fused exchange), ``"auto"`` resolved for ``mesh``."""
+    B, S, H, d = query.shape
+    spec = AttentionSpec(num_heads=H, num_kv_heads=num_kv_heads, head_dim=d, overlap_chunks=1, fused_qkv_chunks=0,
+                         **options)
+    return spec.resolve(mesh, batch=B, seq_len=S, itemsize=query.dtype.itemsize)[0]
+
+
+def _length_padding(segment_ids, positions, q_lengths, kv_lengths, batch: int, seq_len: int):
+    """``(segment ids as queries, as keys or None)``: jax.nn's ``*_seq_lengths`` as negative segment
+    ids (padding) of the tokens whose position is at or beyond their row's length."""
+    if q_lengths is None and kv_lengths is None:
+        return segment_ids, None
+    base = check_metadata("segment_ids", segment_ids, batch, seq_len)
+    base = jnp.zeros((batch, seq_len), jnp.int32) if base is None else base
+    pos = check_metadata("positions", positions, batch, seq_len)
+    pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len)) if pos is None else pos
+    sides = []
+    for name, lengths in (("query_seq_lengths", q_lengths), ("key_value_seq_lengths", kv_lengths)):
+        if lengths is None:
+            sides.append(base)
+            continue
+        lengths = jnp.asarray(lengths)
+        if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+            raise ValueError(f"{name} (shape={lengths.shape}, dtype={lengths.dtype}) must be an integer array of "
+                             f"shape (batch,)=({batch},): each row's unpadded length.")
+        sides.append(jnp.where(pos < lengths.astype(jnp.int32)[:, None], base, -1))
+    return sides[0], sides[1]
+
+
+def _as_given(outs, layout: str, unbatched: bool):
+    """The caller's layout for the output and the residual (``[B, T, H]``; ``max_logits [H]`` as it
+    is), without the batch axis for rank-3 inputs; one array when nothing else was asked for."""
+    out, *extra = outs
+    if layout == "BNSD":
+        out, extra = jnp.swapaxes(out, 1, 2), [jnp.swapaxes(x, 1, 2) if x.ndim == 3 else x for x in extra]
+    if unbatched:
+        out, extra = out[0], [x[0] if x.ndim == 3 else x for x in extra]
+    return (out, *extra) if extra else out
+
+
+def _shard_attention(spec, mesh, args, meta_specs):
+    """The per-shard body on placed ``q, k, v [B, S, H, d]``, sinks and metadata: ``(out, [max_logits])``."""
+    args = [place(a, mesh, X_SPEC) for a in args[:3]] + args[3:]
+    extra = ((P(TP),) if spec.record_max_logits else ()) + ((P(DP, CP, TP),) if spec.return_residual else ())
+    out_specs = (X_SPEC, *extra) if extra else X_SPEC
+    out = shard_call(partial(_shard_fn, spec=spec), mesh, (X_SPEC,) * 3 + (P(TP), *meta_specs), out_specs, args)
+    return out if extra else (out,)

@@ -46,6 +46,7 @@ class Spec:
     block_kv: int | None
     soft_cap: float | None = None  # logits -> soft_cap * tanh(logits / soft_cap), before the mask
     max_logits: bool = False  # forward also returns each row's largest visible logit
+    residual: bool = False  # the attention also returns its log-sum-exp (differentiable)
 
     def logits_and_slope(self, s):
         """``(logits, d logits / d s)`` of the raw scores ``s``: scaled, then soft-capped if set (one
@@ -76,11 +77,11 @@ def check_soft_cap(value) -> float | None:
 
 def make_spec(head_dim: int, *, is_causal=False, local_window_size=None, scale=None,
               block_q: int | None = None, block_kv: int | None = None, logits_soft_cap=None,
-              return_max_logits: bool = False) -> Spec:
+              return_max_logits: bool = False, return_residual: bool = False) -> Spec:
     return Spec(bool(is_causal), normalize_window(local_window_size),
                 float(head_dim**-0.5 if scale is None else scale),
                 check_block("block_q", block_q), check_block("block_kv", block_kv),
-                check_soft_cap(logits_soft_cap), bool(return_max_logits))
+                check_soft_cap(logits_soft_cap), bool(return_max_logits), bool(return_residual))
 
 
 # The default blocks, measured (benchmarks/kernel_speed.py, RESULTS "Local attention kernels"): on
@@ -406,19 +407,35 @@ def _attention_fwd(q, k, v, qm, km, sinks, spec):
     o, lse, *row_max = forward(q, k, v, qm, km, spec)
     o, lse = fold_sinks(o, lse, sinks)
     o = o.astype(q.dtype)
-    out = (o, head_max(row_max[0])) if spec.max_logits else o
-    return out, (q, k, v, o, lse, qm, km, sinks)
+    return outputs(spec, o, lse, row_max), (q, k, v, o, lse, qm, km, sinks)
 
 
 def _attention_bwd(spec, res, do):
     q, k, v, o, lse, qm, km, sinks = res
-    if spec.max_logits:
-        do = do[0]  # the statistic has no gradient
-    delta = jnp.einsum("bthd,bthd->bth", do.astype(jnp.float32), o.astype(jnp.float32))
+    do, delta = output_cotangent(spec, do, o)
     dq, dk, dv = backward(q, k, v, do, lse, delta, qm, km, spec)
     zero_meta = lambda m: jax.tree.map(lambda _: None, m)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zero_meta(qm), zero_meta(km),
             sinks_grad(sinks, lse, delta))
+
+
+def outputs(spec: Spec, o, lse_BTH, row_max):
+    """What the attention returns: ``o``, then what ``spec`` asks for: the per-head max logit
+    (``head_max``), the log-sum-exp ``[B, T, H]`` float32 (``-inf`` for rows that see no key)."""
+    extra = (head_max(row_max[0]),) if spec.max_logits else ()
+    if spec.residual:
+        extra += (jnp.where(lse_BTH > 0.5 * NEG, lse_BTH, -jnp.inf),)
+    return (o, *extra) if extra else o
+
+
+def output_cotangent(spec: Spec, ct, o):
+    """``(do, delta)`` from the cotangent of ``outputs``: ``delta = sum(do * o, -1) - d lse``, since
+    ``d lse / d s = p`` adds ``p * d lse`` to every score's gradient (the statistic has none)."""
+    do, dlse = (ct[0], ct[-1] if spec.residual else None) if spec.max_logits or spec.residual else (ct, None)
+    delta = jnp.einsum("...d,...d->...", do.astype(jnp.float32), o.astype(jnp.float32))
+    if dlse is not None:
+        delta = delta - jnp.where(jnp.isfinite(dlse), dlse, 0.0).astype(jnp.float32)
+    return do, delta
 
 
 def head_max(max_BTH):
@@ -434,13 +451,14 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def blockwise_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     is_causal=False, local_window_size=None, scale=None, block_q: int | None = None, block_kv: int | None = None,
-    logits_soft_cap: float | None = None, sinks=None, return_max_logits: bool = False,
+    logits_soft_cap: float | None = None, sinks=None, return_max_logits: bool = False, return_residual: bool = False,
 ):
     """Masked attention with memory linear in ``S``; same contract as ``dense_attention``.
 
     ``return_max_logits=True`` returns ``(o, max_logits [H])``: per query head, the largest logit
     that entered the softmax (scaled, soft-capped if set; visible pairs only; ``-inf`` if none), no
-    gradient.
+    gradient. ``return_residual=True`` appends the log-sum-exp of each row's logits (``[B, T, H]``
+    float32, sinks included; ``-inf`` for rows that see no key), differentiable.
     ``sinks [H]``: one learned logit per query head that joins every row's softmax denominator
     and contributes no value (GPT-OSS), with its gradient.
     ``logits_soft_cap=c`` caps the scaled logits to ``c * tanh(logits / c)`` before the mask (Gemma
@@ -451,7 +469,7 @@ def blockwise_attention(
     """
     spec = make_spec(q_BTHd.shape[-1], is_causal=is_causal, local_window_size=local_window_size,
                      scale=scale, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap,
-                     return_max_logits=return_max_logits)
+                     return_max_logits=return_max_logits, return_residual=return_residual)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must both be given or both be None.")
     i32 = lambda a: None if a is None else jnp.asarray(a, jnp.int32)

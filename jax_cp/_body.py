@@ -14,7 +14,9 @@
 
 With ``spec.record_max_logits`` every chunk's exchange also returns its heads' largest logit, and
 the body returns ``(y, max_logits [H/t])``: the maximum over dp and cp_colossal (other queries of
-the same heads), the head groups gathered over cp_ulysses, chunks in head order.
+the same heads), the head groups gathered over cp_ulysses, chunks in head order. With
+``spec.return_residual`` it also returns each row's log-sum-exp ``[B, S/(c*u), H/t]``, back on the
+device's own tokens by the inverse all-to-all (``GivenQKV``'s single chunk).
 
 Letters: B batch, S sequence.
 """
@@ -38,10 +40,11 @@ __all__ = ["attention_shard", "GivenQKV", "placed_metadata", "check_dtype", "che
 META_SPEC = P(DP, None)
 
 
-def attention_shard(projections, pos_BS, seg_BS, *, spec):
-    """Per device: every head chunk through project -> exchange -> attend -> output, then finish."""
-    meta, exchange = Meta(pos_BS, seg_BS), spec.kv_exchange
-    y, stats = 0, []
+def attention_shard(projections, pos_BS, seg_BS, kv_seg_BS=None, *, spec):
+    """Per device: every head chunk through project -> exchange -> attend -> output, then finish
+    (``kv_seg_BS``: the tokens' segment ids as keys, when the padding of keys differs)."""
+    meta, exchange = Meta(pos_BS, seg_BS, kv_seg_BS), spec.kv_exchange
+    y, stats, residuals = 0, [], []
     for i in range(spec.overlap_chunks):
         # Chunk i's collectives depend on nothing of chunk i+1: XLA hides one under the other.
         q, *kv = seq_to_heads(projections.q_parts(i), ULYSSES)
@@ -50,12 +53,16 @@ def attention_shard(projections, pos_BS, seg_BS, *, spec):
             o = exchange.attend(q, *kv, meta, spec, sinks)
         else:  # K/V projected after Q's all-to-all was issued
             o = exchange.attend_local(q, *projections.kv_parts(i), meta, spec, sinks)
+        o, *extra = o if spec.record_max_logits or spec.return_residual else (o,)
         if spec.record_max_logits:
-            o, m = o
-            stats.append(_heads_max(m))
+            stats.append(_heads_max(extra.pop(0)))
+        if spec.return_residual:
+            residuals.append(heads_to_seq(extra.pop(0)[..., None], ULYSSES)[..., 0])
         y = y + projections.output(i, o)
+    extra = [jnp.concatenate(stats)] if stats else []
+    extra += [jnp.concatenate(residuals, axis=2)] if residuals else []
     y = projections.finish(y)
-    return (y, jnp.concatenate(stats)) if stats else y
+    return (y, *extra) if extra else y
 
 
 def _heads_max(m_h):
@@ -120,8 +127,9 @@ def check_dtype(name: str, dtype) -> None:
                          "(float32, bfloat16, float16, float64 with jax_enable_x64); cast first, e.g. x.astype(jnp.float32).")
 
 
-def placed_metadata(positions, segment_ids, batch: int, seq_len: int, mesh):
-    """Checked, placed ``[B, S]`` positions (``arange`` when None) and segment ids (if given).
+def placed_metadata(positions, segment_ids, batch: int, seq_len: int, mesh, kv_segment_ids=None):
+    """Checked, placed ``[B, S]`` positions (``arange`` when None) and segment ids (if given; with
+    ``kv_segment_ids``, the tokens' ids as keys, both are given).
 
     Returns the shard_map arguments and their in_specs, so every entry point
     hands its per-shard function ``pos_BS`` and, only when given, ``seg_BS``.
@@ -130,7 +138,8 @@ def placed_metadata(positions, segment_ids, batch: int, seq_len: int, mesh):
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
     segment_ids = check_metadata("segment_ids", segment_ids, batch, seq_len)
-    present = [place(a, mesh, META_SPEC) for a in (positions, segment_ids) if a is not None]
+    kv_segment_ids = check_metadata("kv_segment_ids", kv_segment_ids, batch, seq_len)
+    present = [place(a, mesh, META_SPEC) for a in (positions, segment_ids, kv_segment_ids) if a is not None]
     # Opaque to constant folding: folded into the kernel's per-block bounds, the default arange
     # becomes a reduce over an iota that libtpu 0.0.52 aborts on while splitting it over a v5p
     # chip's two TensorCores (MegacoreTransformWindow check failure).

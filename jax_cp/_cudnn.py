@@ -15,8 +15,10 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def cudnn_unsupported_reason(*, is_causal, window, has_segments, dtype, head_dim, soft_cap=False,
-                             sinks=False, max_logits=False) -> str | None:
+                             sinks=False, max_logits=False, residual=False) -> str | None:
     """Why cuDNN cannot serve this call (``None`` when it can)."""
+    if residual:
+        return "return_residual is not served by jax_cp's cuDNN call"
     if max_logits:
         return "jax.nn.dot_product_attention's cuDNN path does not return the max-logit statistic"
     if soft_cap:

@@ -34,7 +34,8 @@ class AttentionSpec:
     ``logits_soft_cap=c`` caps the scaled logits to ``c * tanh(logits / c)`` before the mask.
     ``use_sinks=True`` gives the layer a ``sinks [num_heads]`` parameter: one learned logit per query
     head joining its softmax denominator (no value). ``record_max_logits=True``: each call also
-    yields the per-head maximum of the logits that entered the softmax (for QK-clip).
+    yields the per-head maximum of the logits that entered the softmax (for QK-clip);
+    ``return_residual=True`` (``dot_product_attention``'s) also the log-sum-exp of every row.
     """
 
     num_heads: int
@@ -56,6 +57,7 @@ class AttentionSpec:
     logits_soft_cap: float | None = None
     use_sinks: bool = False
     record_max_logits: bool = False
+    return_residual: bool = False
 
     def __post_init__(self):
         set_ = partial_setattr(self)
@@ -85,7 +87,7 @@ class AttentionSpec:
         _kernels.check_block("block_q", self.block_q)
         _kernels.check_block("block_kv", self.block_kv)
         set_("logits_soft_cap", _kernels.check_soft_cap(self.logits_soft_cap))
-        for name in ("use_sinks", "record_max_logits"):
+        for name in ("use_sinks", "record_max_logits", "return_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
         if self.kv_exchange != AUTO:

@@ -30,13 +30,15 @@ _IMAX = jnp.iinfo(jnp.int32).max
 _NEG = -1e30  # the log-sum-exp of rows that see no key (as the blockwise kernel's)
 
 
-def splash_unsupported_reason(*, window, max_logits: bool = False) -> str | None:
+def splash_unsupported_reason(*, window, max_logits: bool = False, residual: bool = False) -> str | None:
     """Why splash cannot serve this call (``None`` when it can)."""
     if window is not None:
         return (f"local_window_size={window} needs two bounds per query over explicit positions, "
                 "which the splash mask cannot express")
     if max_logits:
         return "the max-logit statistic (record_max_logits) is not among the splash kernel's outputs"
+    if residual:
+        return "return_residual's log-sum-exp gradient is not an input of splash's backward kernels"
     return None
 
 
@@ -274,23 +276,26 @@ class RingStep:
     static: tuple  # the kernel's keyword arguments
 
 
-def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, interpret, soft_cap=None):
+def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, interpret, soft_cap=None,
+                 kv_seg_BT=None):
     """``(q [B, H, Tp, d] scaled, q metadata, home chunk, RingStep)``. The home chunk is
     ``(k [B, K, Tp, d], v, positions, segments)`` with each row's keys sorted by (segment,
     position); padding keys (beyond the chunk, or of a negative segment) carry segment
     ``int32 max`` and sort last. ``segments`` is None when there is neither padding nor a
-    segment id, so that only what the mask needs travels."""
+    segment id, so that only what the mask needs travels. ``kv_seg_BT``: the tokens' segment ids
+    as keys when they differ from ``seg_BT`` (queries')."""
     B, T, H, d = q_BTHd.shape
     Tp = -(-T // LANES) * LANES
     scale = d**-0.5 if scale is None else scale
     qx = jnp.swapaxes(_pad_seq(q_BTHd * jnp.asarray(scale, q_BTHd.dtype), Tp), 1, 2)
     pos = _pad_seq(jnp.asarray(pos_BT, jnp.int32), Tp)
     seg = _pad_seq(None if seg_BT is None else jnp.asarray(seg_BT, jnp.int32), Tp)
-    if seg is None and Tp == T:
+    kseg_src = seg if kv_seg_BT is None else _pad_seq(jnp.asarray(kv_seg_BT, jnp.int32), Tp)
+    if kseg_src is None and Tp == T:
         pos_s, perm = lax.sort((pos, jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), pos.shape)), num_keys=1)
         keys = (pos_s, None)
     else:
-        seg0 = jnp.zeros_like(pos) if seg is None else seg
+        seg0 = jnp.zeros_like(pos) if kseg_src is None else kseg_src
         kseg = jnp.where((jnp.arange(Tp) >= T)[None] | (seg0 < 0), _IMAX, seg0)
         kseg_s, pos_s, perm = lax.sort((kseg, pos, jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), pos.shape)),
                                        num_keys=2)

@@ -27,11 +27,11 @@ KERNELS = ("auto", "blockwise", "xla", "splash", "cudnn")
 def dense_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     is_causal=False, local_window_size: Window = None, scale=None, logits_soft_cap=None, sinks=None,
-    return_max_logits: bool = False,
+    return_max_logits: bool = False, return_residual: bool = False,
 ):
     """Materialises the ``[T, S]`` scores (memory quadratic in S); float32 softmax. ``sinks [H]``
     join each row's denominator (no value); gradients by autodiff. ``return_max_logits=True``:
-    ``(o, max_logits [H])`` as ``blockwise_attention``."""
+    ``(o, max_logits [H])`` and ``return_residual=True`` the log-sum-exp, as ``blockwise_attention``."""
     B, T, H, d = q_BTHd.shape
     K = k_BSKd.shape[2]
     scale = d**-0.5 if scale is None else scale
@@ -52,9 +52,11 @@ def dense_attention(
     p = p / jnp.where(denom == 0, 1.0, denom)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_BSKd.dtype), v_BSKd, preferred_element_type=jnp.float32)
     o = o.reshape(B, T, H, d).astype(q_BTHd.dtype)
-    if return_max_logits:
-        return o, head_max(jnp.moveaxis(s.max(-1), 3, 1).reshape(B, T, H))  # [B, K, G, T] -> [B, T, H]
-    return o
+    rows = lambda x: jnp.moveaxis(x[..., 0] if x.ndim == 5 else x, 3, 1).reshape(B, T, H)  # [B, K, G, T(, 1)]
+    extra = (head_max(rows(s.max(-1))),) if return_max_logits else ()
+    if return_residual:  # log of the softmax's denominator, sinks included
+        extra += (jnp.where(rows(denom) > 0, rows(shift + jnp.log(jnp.where(denom > 0, denom, 1.0))), -jnp.inf),)
+    return (o, *extra) if extra else o
 
 
 def check_kernel(kernel: str) -> str:
@@ -77,7 +79,7 @@ def target_platform() -> str:
 
 def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window, has_segments: bool,
                   dtype, head_dim: int, soft_cap: bool = False, sinks: bool = False,
-                  max_logits: bool = False) -> str:
+                  max_logits: bool = False, residual: bool = False) -> str:
     """Resolves ``"auto"`` and checks that an explicit choice can serve the mask.
 
     ``"auto"``: splash on TPU, cuDNN on GPU when the mask is expressible there,
@@ -85,10 +87,10 @@ def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window
     (slow, for tests); explicit cuDNN needs a GPU.
     """
     check_kernel(kernel)
-    splash_why = splash_unsupported_reason(window=window, max_logits=max_logits)
+    splash_why = splash_unsupported_reason(window=window, max_logits=max_logits, residual=residual)
     cudnn_why = cudnn_unsupported_reason(is_causal=is_causal, window=window, has_segments=has_segments,
                                          dtype=dtype, head_dim=head_dim, soft_cap=soft_cap, sinks=sinks,
-                                         max_logits=max_logits)
+                                         max_logits=max_logits, residual=residual)
     if kernel == "auto":
         if platform == "tpu" and splash_why is None:
             return "splash"
@@ -141,28 +143,30 @@ def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=N
 def local_attention(
     q_BTHd, k_BSKd, v_BSKd, *, kernel: str = "auto", q_positions, kv_positions, q_segment_ids=None,
     kv_segment_ids=None, is_causal=False, local_window_size=None, scale=None, block_q=None, block_kv=None,
-    logits_soft_cap=None, sinks=None, return_max_logits: bool = False,
+    logits_soft_cap=None, sinks=None, return_max_logits: bool = False, return_residual: bool = False,
 ):
     """Runs the selected kernel (see ``KERNELS``, ``select_kernel``) on one device's share.
 
     ``block_q``/``block_kv`` size the blockwise kernel's tiles (``None``: ``auto_blocks``); the
     platform kernels choose their own. ``sinks [H]``: per-query-head sink logits (or None).
-    ``return_max_logits=True``: ``(o, max_logits [H])`` (blockwise and ``"xla"`` only)."""
+    ``return_max_logits``/``return_residual``: ``o`` then ``max_logits [H]`` and/or the log-sum-exp
+    ``[B, T, H]`` (blockwise and ``"xla"`` only)."""
     window = normalize_window(local_window_size)
     chosen = select_kernel(kernel, platform=target_platform(), is_causal=is_causal, window=window,
                            has_segments=q_segment_ids is not None, dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1],
                            soft_cap=logits_soft_cap is not None, sinks=sinks is not None,
-                           max_logits=return_max_logits)
+                           max_logits=return_max_logits, residual=return_residual)
     if sinks is not None:
         sinks = vary_as(check_sinks(sinks, q_BTHd.shape[2]), q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions)
     kw = dict(q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
               kv_segment_ids=kv_segment_ids, is_causal=is_causal, local_window_size=window, scale=scale,
               logits_soft_cap=logits_soft_cap, sinks=sinks)
     if chosen == "xla":
-        return dense_attention(q_BTHd, k_BSKd, v_BSKd, **kw, return_max_logits=return_max_logits)
+        return dense_attention(q_BTHd, k_BSKd, v_BSKd, **kw, return_max_logits=return_max_logits,
+                               return_residual=return_residual)
     if chosen == "blockwise":
         return blockwise_attention(q_BTHd, k_BSKd, v_BSKd, **kw, block_q=block_q, block_kv=block_kv,
-                                   return_max_logits=return_max_logits)
+                                   return_max_logits=return_max_logits, return_residual=return_residual)
     if chosen == "splash":
         return splash_attention(q_BTHd, k_BSKd, v_BSKd, interpret=target_platform() != "tpu", **kw)
     return cudnn_attention(q_BTHd, k_BSKd, v_BSKd, scale=scale)

@@ -20,7 +20,7 @@ __all__ = ["Attention", "attend", "attention_layer", "dot_product_attention"]
 def attend(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     is_causal=False, local_window_size=None, scale=None, logits_soft_cap=None, sinks=None,
-    return_max_logits=False,
+    return_max_logits=False, return_residual=False,
 ):
     """Dense masked attention in BSHD layout with explicit positions, float32 math.
 
@@ -28,6 +28,7 @@ def attend(
     ``sinks [H]``: one more logit per query head in every row's softmax, whose value is zero.
     Rows with no visible key return zeros (and get zero gradients). ``return_max_logits=True``:
     ``(o, max_logits [H])``, the largest logit (after the cap) over visible pairs, ``-inf`` if none.
+    ``return_residual=True`` appends each row's ``logsumexp`` of its visible logits and sink ``[B, T, H]``.
     """
     H, K = q_BTHd.shape[2], k_BSKd.shape[2]
     scale = q_BTHd.shape[-1] ** -0.5 if scale is None else scale
@@ -41,9 +42,14 @@ def attend(
                        is_causal=is_causal, window=normalize_window(local_window_size))
     mask = mask_BTS[:, None]
     o = _softmax_values(jnp.where(mask, s_BHTS, -1e30), mask, v, sinks).astype(q_BTHd.dtype)
-    if return_max_logits:
-        return o, jax.lax.stop_gradient(jnp.where(mask, s_BHTS, -jnp.inf).max((0, 2, 3)))
-    return o
+    extra = (jax.lax.stop_gradient(jnp.where(mask, s_BHTS, -jnp.inf).max((0, 2, 3))),) if return_max_logits else ()
+    if return_residual:
+        logits = jnp.where(mask, s_BHTS, -jnp.inf)
+        if sinks is not None:
+            sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (*logits.shape[:3], 1))
+            logits = jnp.concatenate([logits, sink], axis=-1)
+        extra += (jnp.swapaxes(jax.nn.logsumexp(logits, axis=-1), 1, 2),)
+    return (o, *extra) if extra else o
 
 
 def _softmax_values(s_BHTS, mask, v, sinks):
@@ -61,7 +67,7 @@ def _softmax_values(s_BHTS, mask, v, sinks):
 def dot_product_attention(
     query, key, value, *, is_causal=False, scale=None, layout="BSHD",
     positions=None, segment_ids=None, local_window_size=None, logits_soft_cap=None, sinks=None,
-    return_max_logits=False,
+    return_max_logits=False, return_residual=False,
 ):
     """The single-device twin of :func:`jax_cp.dot_product_attention`.
 
@@ -81,11 +87,11 @@ def dot_product_attention(
     out = attend(query, key, value, q_positions=positions, kv_positions=positions,
                  q_segment_ids=segment_ids, kv_segment_ids=segment_ids, is_causal=is_causal,
                  local_window_size=local_window_size, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                 return_max_logits=return_max_logits)
-    if return_max_logits:
-        out, max_logits = out
-        return (jnp.swapaxes(out, 1, 2) if layout == "BNSD" else out), max_logits
-    return jnp.swapaxes(out, 1, 2) if layout == "BNSD" else out
+                 return_max_logits=return_max_logits, return_residual=return_residual)
+    out, *extra = out if return_max_logits or return_residual else (out,)
+    if layout == "BNSD":
+        out, extra = jnp.swapaxes(out, 1, 2), [jnp.swapaxes(x, 1, 2) if x.ndim == 3 else x for x in extra]
+    return (out, *extra) if extra else out
 
 
 def attention_layer(params: dict, x_BSD, *, spec: AttentionSpec, dtype=None, positions=None,

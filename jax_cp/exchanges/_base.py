@@ -23,10 +23,18 @@ REGISTRY: list["KVExchange"] = []
 
 
 class Meta(NamedTuple):
-    """Full-sequence mask metadata every device holds: ``[B, S]`` positions and segment ids (or None)."""
+    """Full-sequence mask metadata every device holds: ``[B, S]`` positions and segment ids (or None).
+
+    ``kv_seg``, when given, is the tokens' segment ids as keys (``seg`` then holds them as queries):
+    padding stated separately for queries and keys (``query_seq_lengths``/``key_value_seq_lengths``)."""
 
     pos: jax.Array
     seg: jax.Array | None = None
+    kv_seg: jax.Array | None = None
+
+    @property
+    def keys_seg(self):
+        return self.seg if self.kv_seg is None else self.kv_seg
 
 
 def register(cls):
@@ -58,7 +66,8 @@ class KVExchange:
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
         """Per device: queries and K/V of the colossal chunk (heads split) -> ``o [B, T, H, d]``;
         ``sinks [H]``: the device's query heads' sink logits (joining the softmax once), or None.
-        With ``spec.record_max_logits``: ``(o, max_logits [H])`` of the device's queries."""
+        With ``spec.record_max_logits`` / ``spec.return_residual``: ``o`` followed by ``max_logits [H]``
+        and/or the log-sum-exp ``[B, T, H]`` of the device's queries."""
         raise NotImplementedError
 
     def reference(self, q_BTHd, k_BSKd, v_BSKd, q_meta: Meta, kv_meta: Meta, spec):
@@ -82,7 +91,8 @@ def attend_gathered(q_BTHd, kv_BS2Kd, meta: Meta, spec, sinks=None):
     pos, seg = seq_chunk(meta.pos, (COLOSSAL,)), seq_chunk(meta.seg, (COLOSSAL,))
     return _kernels.local_attention(
         q_BTHd, kv_BS2Kd[:, :, 0], kv_BS2Kd[:, :, 1], kernel=spec.kernel, q_positions=pos,
-        kv_positions=meta.pos, q_segment_ids=seg, kv_segment_ids=meta.seg, is_causal=spec.is_causal,
+        kv_positions=meta.pos, q_segment_ids=seg, kv_segment_ids=meta.keys_seg, is_causal=spec.is_causal,
         local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q, block_kv=spec.block_kv,
         logits_soft_cap=spec.logits_soft_cap, sinks=sinks, return_max_logits=spec.record_max_logits,
+        return_residual=spec.return_residual,
     )

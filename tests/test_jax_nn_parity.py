@@ -1,0 +1,113 @@
+"""``jax_cp.dot_product_attention`` where it is ``jax.nn.dot_product_attention``'s counterpart: the same
+call (rank-4 or unbatched rank-3, GQA, causal, scale, sliding window, ``implementation=``) gives
+jax.nn's output and gradients on a CP mesh; what CP cannot take (dense ``bias``/``mask``) is refused
+with the data-driven alternative. ``return_residual`` gives jax.nn's log-sum-exp, differentiable."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_cp
+from util import assert_close, assert_matches, fwd_and_vjp, random_qkv
+
+B, S, H, d = 2, 32, 8, 8
+
+
+@pytest.mark.parametrize("case", ["gqa-causal-scale", "unbatched", "window", "implementation-xla"])
+def test_matches_jax_nn(case):
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    q, k, v, ct = random_qkv(B, S, H, 2, d, seed=11)
+    kw = dict(is_causal=True)
+    if case == "gqa-causal-scale":
+        kw["scale"] = 0.25
+    if case == "unbatched":  # [T, N, H]: one sequence, no batch axis
+        q, k, v, ct = q[0], k[0], v[0], ct[0]
+    if case == "window":
+        kw["local_window_size"] = (5, 0)
+    ours = dict(implementation="xla") if case == "implementation-xla" else {}
+    f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, **kw, **ours)
+    ref = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw)
+    assert_matches(f, ref, (q, k, v), ct, jnp.float32, case)
+    if case == "unbatched":
+        assert f(q, k, v).shape == q.shape
+
+
+@pytest.mark.parametrize("layout, kv_exchange, shape", [
+    ((2, 2, 2), "all_gather", "BSHD"),   # hybrid x tp: the residual comes back by the inverse all-to-all
+    ((4, 2, 1), "ring", "BNSD"),         # the ring's merged log-sum-exp, BNSD layout
+    ((1, 8, 1), "all_to_all", "unbatched"),
+])
+def test_residual_is_jax_nn_s_with_its_gradient(layout, kv_exchange, shape):
+    """``return_residual=True``: jax.nn's output and log-sum-exp of each row's logits ``[B, T, N]``;
+    the gradient through the residual (d lse / d scores = p) against ``jax_cp.reference``'s plain
+    ``logsumexp`` (jax.nn's own gradients are zero with ``return_residual``: no reference there)."""
+    c, u, t = layout
+    mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
+    q, k, v, ct = random_qkv(B, S, H, 2, d, seed=12)
+    ct_res = jax.random.normal(jax.random.key(13), (B, S, H))
+    if shape == "unbatched":
+        q, k, v, ct, ct_res = q[0], k[0], v[0], ct[0], ct_res[0]
+    nn_out, nn_res = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla", return_residual=True)
+    lay = dict(layout="BNSD") if shape == "BNSD" else {}
+    if shape == "BNSD":  # same data, heads before the sequence
+        q, k, v, ct, nn_out = (jnp.swapaxes(a, 1, 2) for a in (q, k, v, ct, nn_out))
+        ct_res, nn_res = jnp.swapaxes(ct_res, 1, 2), jnp.swapaxes(nn_res, 1, 2)
+    f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, kv_exchange=kv_exchange,
+                                                     return_residual=True, **lay)
+    ref = lambda q, k, v: jax_cp.reference.dot_product_attention(
+        *(a if a.ndim == 4 else a[None] for a in (q, k, v)), is_causal=True, return_residual=True, **lay)
+    (out, res), grads = fwd_and_vjp(f, (q, k, v), (ct, ct_res))
+    what = f"{layout} {kv_exchange} {shape}"
+    assert res.shape == nn_res.shape == ct_res.shape, what
+    assert_close(out, nn_out, jnp.float32, f"output {what}")
+    assert_close(res, nn_res, jnp.float32, f"residual {what}")
+    batched = (lambda a: a[None]) if shape == "unbatched" else (lambda a: a)
+    _, r_grads = fwd_and_vjp(ref, (q, k, v), (batched(ct), batched(ct_res)))
+    for name, g, rg in zip("qkv", grads, r_grads):
+        assert_close(g, rg.reshape(g.shape), jnp.float32, f"d{name} {what}")
+    _, (dq_without, *_) = fwd_and_vjp(f, (q, k, v), (ct, jnp.zeros_like(ct_res)))
+    assert float(jnp.abs(grads[0] - dq_without).max()) > 1e-3  # the residual's cotangent reaches dq
+
+
+@pytest.mark.parametrize("layout, kv_exchange, kernel", [
+    ((2, 2, 2), "all_gather", "auto"),     # hybrid x tp, blockwise
+    ((4, 2, 1), "ring", "auto"),           # the ring carries the keys' padding with the chunk
+    ((2, 2, 1), "ring", "splash"),         # the splash ring (interpret mode) sorts padded keys last
+])
+def test_query_and_key_lengths_pad_like_jax_nn(layout, kv_exchange, kernel):
+    """``query_seq_lengths`` and ``key_value_seq_lengths`` stated separately (a query may see fewer
+    keys than it is long, and the reverse): jax.nn's output and gradients on every unpadded query;
+    padded queries get zeros (where jax.nn averages every value)."""
+    c, u, t = layout
+    mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
+    q, k, v, ct = random_qkv(B, S, H, 2, d, seed=14)
+    lengths = dict(query_seq_lengths=jnp.array([20, 32]), key_value_seq_lengths=jnp.array([27, 12]))
+    real = (jnp.arange(S)[None] < lengths["query_seq_lengths"][:, None])[:, :, None, None]
+    ct = jnp.where(real, ct, 0.0)  # what padded queries return is not compared
+    f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, kv_exchange=kv_exchange,
+                                                     kernel=kernel, **lengths)
+    ref = lambda q, k, v: jnp.where(real, jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla",
+                                                                       **lengths), 0.0)
+    assert_matches(f, ref, (q, k, v), ct, jnp.float32, f"{layout} {kv_exchange} {kernel}")
+
+
+def test_what_cp_cannot_take_is_refused_with_the_alternative():
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2)
+    q, k, v, _ = random_qkv(B, S, H, 2, d)
+    with pytest.raises(ValueError, match=r"bias= is not supported: a dense \[B, N, T, S\] bias is quadratic .* "
+                                         r"positions=, segment_ids=, is_causal=, local_window_size="):
+        jax_cp.dot_product_attention(q, k, v, jnp.zeros((B, H, S, S)), mesh=mesh)
+    with pytest.raises(ValueError, match=r"mask= is not supported: .* segment_ids= \(documents; a negative id pads"):
+        jax_cp.dot_product_attention(q, k, v, mask=jnp.ones((B, H, S, S), bool), mesh=mesh)
+    with pytest.raises(ValueError, match=r"implementation='cudnn' and kernel='blockwise' both choose the kernel"):
+        jax_cp.dot_product_attention(q, k, v, mesh=mesh, implementation="cudnn", kernel="blockwise")
+    with pytest.raises(ValueError, match=r"implementation='flash' must be one of \(None, 'xla', 'cudnn'\)"):
+        jax_cp.dot_product_attention(q, k, v, mesh=mesh, implementation="flash")
+    with pytest.raises(ValueError, match=r"kernel='cudnn' needs a CUDA GPU"):  # cudnn maps to cudnn
+        jax_cp.dot_product_attention(q, k, v, mesh=mesh, implementation="cudnn")
+    with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this call: return_residual's log-sum-exp"):
+        jax_cp.dot_product_attention(q, k, v, mesh=mesh, kernel="splash", return_residual=True)
+    with pytest.raises(ValueError, match=r"key_value_seq_lengths \(shape=\(3,\), dtype=int32\) must be an integer "
+                                         r"array of shape \(batch,\)=\(2,\)"):
+        jax_cp.dot_product_attention(q, k, v, mesh=mesh, key_value_seq_lengths=jnp.array([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"query.shape=\(32, 8, 8\) must have rank 4 \(BSHD\), or rank 3 \(SHD: one"):
+        jax_cp.dot_product_attention(q[0], k, v, mesh=mesh)
