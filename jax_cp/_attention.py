@@ -49,8 +49,9 @@ def _check_qkv(query, key, value, layout):
     if layout == "BNSD":
         query, key, value = (jnp.swapaxes(a, 1, 2) for a in (query, key, value))
     B, S, H, d = query.shape
-    if key.shape != value.shape:
-        raise ValueError(f"key.shape={key.shape} and value.shape={value.shape} must match.")
+    if key.shape[:3] != value.shape[:3]:
+        raise ValueError(f"key.shape={key.shape} and value.shape={value.shape} must match but for the head dim "
+                         "(the value's may differ: MLA).")
     if key.shape[0] != B or key.shape[1] != S or key.shape[3] != d:
         raise ValueError(
             f"key.shape={key.shape} does not fit query.shape={query.shape}: batch, sequence and head dim "
@@ -126,7 +127,7 @@ def dot_product_attention(
     spec = _resolved_spec(mesh, query, K, is_causal=is_causal, scale=scale, local_window_size=local_window_size,
                           kernel=kernel, kv_exchange=kv_exchange, block_q=block_q, block_kv=block_kv,
                           logits_soft_cap=logits_soft_cap, record_max_logits=bool(return_max_logits),
-                          return_residual=bool(return_residual))
+                          return_residual=bool(return_residual), v_head_dim=value.shape[-1])
     rep = spec.layout(dims).kv_expanded // K  # minimal repetition so t*u devices each hold whole kv heads
     check_seq_batch(B, S, dims)
     segment_ids, kv_segment_ids = _length_padding(segment_ids, positions, query_seq_lengths,

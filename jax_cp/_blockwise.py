@@ -272,7 +272,7 @@ def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int,
     """Head-major blocks, laid out once so every dot in the loop is a plain batched matmul
     (``[B K, G Q, d] @ [B K, d, C]``, ``[B K, G Q, C] @ [B K, C, d]``): no per-block transpose."""
     B, T, H, d = q_BTHd.shape
-    K = k_BSKd.shape[2]
+    K, dv = k_BSKd.shape[2], v_BSKd.shape[-1]  # dv: the value head dim (MLA: not d)
     G = H // K
     has_seg = qm.seg is not None
     order_NM, count_N = _schedule(block_visible(qm, km, spec, bq, bk))
@@ -301,7 +301,7 @@ def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int,
             stat = (jnp.maximum(carry[3], row),) if spec.max_logits else ()  # the visible logits' max
             return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv, *stat
 
-        m, l, acc, *stat = lax.fori_loop(0, count, body, _init_state(refs, (B, K, G, bq), d, spec, o0, lse0))
+        m, l, acc, *stat = lax.fori_loop(0, count, body, _init_state(refs, (B, K, G, bq), dv, spec, o0, lse0))
         seen = l > 0
         o = acc / jnp.where(seen, l, 1.0)[..., None]
         return o, jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG), *stat  # [B, K, G, Q, (d)]
@@ -309,10 +309,10 @@ def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int,
     qpos, qseg, qval = _meta_blocks(qm, bq)
     o0 = lse0 = None
     if state is not None:
-        o0 = _blocks_major(state[0].reshape(B, T, K, G, d), bq, (0, 2, 3, 1, 4))
+        o0 = _blocks_major(state[0].reshape(B, T, K, G, dv), bq, (0, 2, 3, 1, 4))
         lse0 = _blocks_major(state[1].reshape(B, T, K, G), bq, (0, 2, 3, 1))
     o, *rows = lax.map(q_block, (q_NBKGQd, qpos, qseg, qval, order_NM, count_N, o0, lse0))
-    o = jnp.transpose(o, (1, 0, 4, 2, 3, 5)).reshape(B, T, H, d)  # [N, B, K, G, Q, d] -> [B, T, H, d]
+    o = jnp.transpose(o, (1, 0, 4, 2, 3, 5)).reshape(B, T, H, dv)  # [N, B, K, G, Q, dv] -> [B, T, H, dv]
     return o, *(jnp.transpose(r, (1, 0, 4, 2, 3)).reshape(B, T, H) for r in rows)  # lse (and max): [B, T, H]
 
 
@@ -321,13 +321,13 @@ def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spe
     """Flash-attention-2 backward over the same head-major blocks; ``q`` and ``do`` are also kept
     transposed (``[B K, d, G Q]``) so that ``dK^T``/``dV^T`` accumulate by plain batched matmuls."""
     B, T, H, d = q_BTHd.shape
-    K = k_BSKd.shape[2]
-    G = H // K
+    K, dv, G = k_BSKd.shape[2], v_BSKd.shape[-1], H // k_BSKd.shape[2]
     has_seg = qm.seg is not None
     refs = (q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km)
     order_MN, count_M = _schedule(block_visible(qm, km, spec, bq, bk).T)
-    rows = lambda a: _blocks_major(a.reshape(B, T, K, G, d), bq, (0, 2, 3, 1, 4))  # [N, B, K, G, Q, d]
-    cols = lambda a: _blocks_major(a.reshape(B, T, K, G, d), bq, (0, 2, 4, 3, 1))  # [N, B, K, d, G, Q]
+    # [N, B, K, G, Q, d] and [N, B, K, d, G, Q] (d: the array's own head dim; do's is the value one)
+    rows = lambda a: _blocks_major(a.reshape(B, T, K, G, a.shape[-1]), bq, (0, 2, 3, 1, 4))
+    cols = lambda a: _blocks_major(a.reshape(B, T, K, G, a.shape[-1]), bq, (0, 2, 4, 3, 1))
     q_N, qT_N, do_N, doT_N = rows(q_BTHd), cols(q_BTHd), rows(do_BTHd), cols(do_BTHd)
     lse_N, delta_N = (_blocks_major(a.reshape(B, T, K, G), bq, (0, 2, 3, 1)) for a in (lse_BTH, delta_BTH))
     qpos, qseg, qval = _meta_blocks(qm, bq)
@@ -352,7 +352,8 @@ def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spe
             return dq_N.at[i].add(dq), dkT, dvT
 
         zeros = jnp.zeros((B, K, d, bk), jnp.float32)
-        dq_N, dkT, dvT = lax.fori_loop(0, count, body, (dq_N, *varying(refs, zeros, zeros)))
+        zeros_v = zeros if dv == d else jnp.zeros((B, K, dv, bk), jnp.float32)
+        dq_N, dkT, dvT = lax.fori_loop(0, count, body, (dq_N, *varying(refs, zeros, zeros_v)))
         return dq_N, (dkT, dvT)
 
     xs = (_blocks_major(k_BSKd, bk, (0, 2, 1, 3)), _blocks_major(k_BSKd, bk, (0, 2, 3, 1)),
@@ -363,7 +364,7 @@ def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spe
         dq0 = rows(dq_BTHd)
     dq_N, (dkT, dvT) = lax.scan(kv_block, dq0, xs)
     dq = jnp.transpose(dq_N, (1, 0, 4, 2, 3, 5)).reshape(B, T, H, d)
-    from_T = lambda a: jnp.transpose(a, (1, 0, 4, 2, 3)).reshape(B, -1, K, d)  # [M, B, K, d, C] -> [B, S, K, d]
+    from_T = lambda a: jnp.transpose(a, (1, 0, 4, 2, 3)).reshape(B, -1, K, a.shape[3])  # [M, B, K, d, C] -> [B, S, K, d]
     return dq, from_T(dkT), from_T(dvT)
 
 

@@ -15,8 +15,10 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def cudnn_unsupported_reason(*, is_causal, window, has_segments, dtype, head_dim, soft_cap=False,
-                             sinks=False, max_logits=False, residual=False) -> str | None:
+                             sinks=False, max_logits=False, residual=False, v_head_dim=None) -> str | None:
     """Why cuDNN cannot serve this call (``None`` when it can)."""
+    if v_head_dim not in (None, head_dim):
+        return f"a value head dim ({v_head_dim}) other than the query/key head dim ({head_dim}) is not served here"
     if residual:
         return "return_residual is not served by jax_cp's cuDNN call"
     if max_logits:

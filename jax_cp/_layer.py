@@ -79,10 +79,11 @@ def storage_specs(spec: AttentionSpec, mesh, sharding: AttentionSharding | None 
 
 
 def param_shapes(spec: AttentionSpec) -> dict[str, tuple[int, ...]]:
-    D, H, K, d = spec.in_features, spec.num_heads, spec.num_kv_heads, spec.head_dim
-    shapes = {"q_kernel": (D, H, d), "k_kernel": (D, K, d), "v_kernel": (D, K, d), "o_kernel": (H, d, D)}
+    D, H, K, d, E = spec.in_features, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.out_features
+    dv = spec.v_head_dim
+    shapes = {"q_kernel": (D, H, d), "k_kernel": (D, K, d), "v_kernel": (D, K, dv), "o_kernel": (H, dv, E)}
     if spec.use_bias:
-        shapes |= {"q_bias": (H, d), "k_bias": (K, d), "v_bias": (K, d), "o_bias": (D,)}
+        shapes |= {"q_bias": (H, d), "k_bias": (K, d), "v_bias": (K, dv), "o_bias": (E,)}
     if spec.use_qk_norm:
         shapes |= {"q_norm": (d,), "k_norm": (d,)}
     if spec.use_sinks:
@@ -109,7 +110,7 @@ def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, spec: AttentionSpec, lay
 
 def layer_forward(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None, positions=None,
                   segment_ids=None, local_window_size=None, scale=None):
-    """Applies the layer to a global ``x [B, S, D]``; returns ``y [B, S, D]`` sharded like x (and
+    """Applies the layer to a global ``x [B, S, D]``; returns ``y [B, S, out_features]`` sharded like x (and
     ``max_logits [H]`` with ``spec.record_max_logits``)."""
     if getattr(x_BSD, "ndim", None) != 3 or x_BSD.shape[-1] != spec.in_features:
         raise ValueError(f"x.shape={getattr(x_BSD, 'shape', None)} must be (batch, seq_len, "

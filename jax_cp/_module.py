@@ -16,7 +16,8 @@ class CPAttention(nnx.Module):
     """Multi-head attention over a sequence sharded on ``mesh`` (arguments in ``nnx.MultiHeadAttention``'s order).
 
     Call on a global ``x [B, S, D]`` (sharded ``P("dp", ("cp_colossal", "cp_ulysses"), None)``,
-    or any sharding: it is resharded); returns ``y [B, S, D]`` sharded the same way.
+    or any sharding: it is resharded); returns ``y [B, S, out_features]`` (``out_features=None``: D)
+    sharded the same way.
     Parameters are created already sharded (by default q/k/v kernels split over
     ``tp`` by heads, the output kernel by rows; ``sharding``, an
     ``AttentionSharding``, stores them otherwise, e.g. FSDP over ``dp``) and
@@ -44,7 +45,9 @@ class CPAttention(nnx.Module):
     """
 
     def __init__(self, num_heads: int, in_features: int, *, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, mesh, is_causal: bool = False, use_qk_norm: bool = False,
+                 head_dim: int | None = None, out_features: int | None = None, v_head_dim: int | None = None,
+                 mesh, is_causal: bool = False,
+                 use_qk_norm: bool = False,
                  rope_theta: float | None = None, use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
                  kernel_init=nnx.initializers.lecun_normal(), overlap_chunks: int | str = AUTO,
                  kernel: str = "auto", kv_exchange=AUTO, fused_qkv_chunks: int | str = AUTO,
@@ -53,7 +56,7 @@ class CPAttention(nnx.Module):
                  record_max_logits: bool = False, rngs: nnx.Rngs):
         self.spec = AttentionSpec(
             num_heads=num_heads, in_features=in_features, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            is_causal=is_causal, use_qk_norm=use_qk_norm, rope_theta=rope_theta, use_bias=use_bias,
+            out_features=out_features, v_head_dim=v_head_dim, is_causal=is_causal, use_qk_norm=use_qk_norm, rope_theta=rope_theta, use_bias=use_bias,
             overlap_chunks=AUTO if overlap_chunks is None else overlap_chunks, kernel=kernel,
             kv_exchange=kv_exchange, fused_qkv_chunks=fused_qkv_chunks, block_q=block_q, block_kv=block_kv,
             logits_soft_cap=logits_soft_cap, use_sinks=use_sinks, record_max_logits=record_max_logits)

@@ -24,7 +24,9 @@ class AttentionSpec:
     """One attention layer, mesh-independent; validated on creation.
 
     ``num_kv_heads=None`` means ``num_heads``; ``head_dim=None`` means
-    ``in_features // num_heads``. ``in_features`` is the model width (``None``
+    ``in_features // num_heads``; ``out_features=None`` means ``in_features`` (the output
+    projection's width, as flax's ``MultiHeadAttention``); ``v_head_dim=None`` means ``head_dim`` (MLA
+    models give values a head dim of their own). ``in_features`` is the model width (``None``
     for :func:`jax_cp.dot_product_attention`, which has no projections).
     ``kv_exchange`` is a ``jax_cp.exchanges`` value or its name (stored as the value).
     ``overlap_chunks``, ``fused_qkv_chunks`` and ``kv_exchange`` may be ``"auto"``
@@ -42,6 +44,8 @@ class AttentionSpec:
     num_kv_heads: int | None = None
     head_dim: int | None = None
     in_features: int | None = None
+    out_features: int | None = None
+    v_head_dim: int | None = None
     is_causal: bool = False
     local_window_size: Window | int = None
     scale: float | None = None
@@ -74,6 +78,12 @@ class AttentionSpec:
         check_positive_fields(self, ("num_kv_heads", "head_dim")
                               + (("overlap_chunks",) if self.overlap_chunks != AUTO else ())
                               + (("in_features",) if self.in_features is not None else ()))
+        set_("v_head_dim", self.head_dim if self.v_head_dim is None else self.v_head_dim)
+        check_positive_int("v_head_dim", self.v_head_dim)
+        if self.out_features is not None:
+            check_positive_int("out_features", self.out_features)
+        elif self.in_features is not None:
+            set_("out_features", self.in_features)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
@@ -127,7 +137,7 @@ class AttentionSpec:
         kv_bytes = hbm = None
         if batch and seq_len:
             kv_local = lcm(self.num_kv_heads, dims.t * dims.u) // (dims.t * dims.u)
-            kv_bytes = 2 * (batch // dims.dp) * seq_len * kv_local * self.head_dim * itemsize
+            kv_bytes = (batch // dims.dp) * seq_len * kv_local * (self.head_dim + self.v_head_dim) * itemsize
             hbm = _hbm_bytes(chip)
         c = choose(platform=platform, chip=chip, c=dims.c, u=dims.u, t=dims.t, num_heads=self.num_heads,
                    kv_bytes_per_device=kv_bytes, hbm_bytes=hbm)

@@ -26,9 +26,21 @@ def a2a(x, axis_name, split_axis, concat_axis):
 
 
 def _pack(parts, u: int):
-    """Parts ``[B, S, H_i, d]`` -> ``[B, S, u, sum_i H_i/u, d]``: head group j of every part in slot j."""
+    """Parts ``[B, S, H_i, d]`` -> ``[B, S, u, sum_i H_i/u, d]``: head group j of every part in slot j.
+    Parts of different head dims (MLA's values) travel flat: ``[B, S, u, sum_i H_i/u * d_i]``."""
     B, S = parts[0].shape[:2]
-    return jnp.concatenate([p.reshape(B, S, u, p.shape[2] // u, p.shape[3]) for p in parts], axis=3)
+    if _one_head_dim(parts):
+        return jnp.concatenate([p.reshape(B, S, u, p.shape[2] // u, p.shape[3]) for p in parts], axis=3)
+    return jnp.concatenate([p.reshape(B, S, u, p.shape[2] // u * p.shape[3]) for p in parts], axis=3)
+
+
+def _one_head_dim(parts) -> bool:
+    return len({p.shape[3] for p in parts}) == 1
+
+
+def _unflatten(flat, like, heads_of):
+    """Flat pieces ``[..., h_i * d_i]`` back to ``[..., heads_of(like_i), d_i]``."""
+    return tuple(f.reshape(*f.shape[:-1], heads_of(p), p.shape[3]) for f, p in zip(flat, like))
 
 
 def _split(a, sizes, axis: int):
@@ -49,7 +61,10 @@ def seq_to_heads(parts, axis_name):
     if u == 1:
         return tuple(parts)
     y = a2a(_pack(parts, u), axis_name, 2, 1)  # [B, S, 1, sum H_i/u, d]
-    return _split(y[:, :, 0], [p.shape[2] // u for p in parts], 2)
+    if _one_head_dim(parts):
+        return _split(y[:, :, 0], [p.shape[2] // u for p in parts], 2)
+    flat = _split(y[:, :, 0], [p.shape[2] // u * p.shape[3] for p in parts], 2)
+    return _unflatten(flat, parts, lambda p: p.shape[2] // u)
 
 
 def _s2h_fwd(parts, axis_name):
@@ -61,6 +76,10 @@ def _s2h_bwd(axis_name, _, gs):
     if u == 1:
         return (tuple(gs),)
     B, S = gs[0].shape[:2]
+    if not _one_head_dim(gs):  # MLA: flat, as forward
+        g = a2a(jnp.concatenate([g_.reshape(B, S, 1, -1) for g_ in gs], axis=3), axis_name, 1, 2)
+        flat = _split(g, [g_.shape[2] * g_.shape[3] for g_ in gs], 3)  # [B, S/u, u, h_i * d_i]
+        return (tuple(f.reshape(B, S // u, u * g_.shape[2], g_.shape[3]) for f, g_ in zip(flat, gs)),)
     g = jnp.concatenate([g_[:, :, None] for g_ in gs], axis=3)  # [B, S, 1, sum h_i, d]
     g = a2a(g, axis_name, 1, 2)  # [B, S/u, u, sum h_i, d]
     sizes = [g_.shape[2] for g_ in gs]

@@ -51,7 +51,7 @@ def dense_attention(
     denom = p.sum(-1, keepdims=True) + (0.0 if sinks is None else jnp.exp(sink - shift))
     p = p / jnp.where(denom == 0, 1.0, denom)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_BSKd.dtype), v_BSKd, preferred_element_type=jnp.float32)
-    o = o.reshape(B, T, H, d).astype(q_BTHd.dtype)
+    o = o.reshape(B, T, H, v_BSKd.shape[-1]).astype(q_BTHd.dtype)
     rows = lambda x: jnp.moveaxis(x[..., 0] if x.ndim == 5 else x, 3, 1).reshape(B, T, H)  # [B, K, G, T(, 1)]
     extra = (head_max(rows(s.max(-1))),) if return_max_logits else ()
     if return_residual:  # log of the softmax's denominator, sinks included
@@ -79,7 +79,7 @@ def target_platform() -> str:
 
 def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window, has_segments: bool,
                   dtype, head_dim: int, soft_cap: bool = False, sinks: bool = False,
-                  max_logits: bool = False, residual: bool = False) -> str:
+                  max_logits: bool = False, residual: bool = False, v_head_dim: int | None = None) -> str:
     """Resolves ``"auto"`` and checks that an explicit choice can serve the mask.
 
     ``"auto"``: splash on TPU, cuDNN on GPU when the mask is expressible there,
@@ -90,7 +90,7 @@ def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window
     splash_why = splash_unsupported_reason(window=window, max_logits=max_logits, residual=residual)
     cudnn_why = cudnn_unsupported_reason(is_causal=is_causal, window=window, has_segments=has_segments,
                                          dtype=dtype, head_dim=head_dim, soft_cap=soft_cap, sinks=sinks,
-                                         max_logits=max_logits, residual=residual)
+                                         max_logits=max_logits, residual=residual, v_head_dim=v_head_dim)
     if kernel == "auto":
         if platform == "tpu" and splash_why is None:
             return "splash"
@@ -155,7 +155,7 @@ def local_attention(
     chosen = select_kernel(kernel, platform=target_platform(), is_causal=is_causal, window=window,
                            has_segments=q_segment_ids is not None, dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1],
                            soft_cap=logits_soft_cap is not None, sinks=sinks is not None,
-                           max_logits=return_max_logits, residual=return_residual)
+                           max_logits=return_max_logits, residual=return_residual, v_head_dim=v_BSKd.shape[-1])
     if sinks is not None:
         sinks = vary_as(check_sinks(sinks, q_BTHd.shape[2]), q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions)
     kw = dict(q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,

@@ -28,6 +28,8 @@ class CPAttention(nn.Module):
     in_features: int
     num_kv_heads: int | None = None
     head_dim: int | None = None
+    out_features: int | None = None
+    v_head_dim: int | None = None
     mesh: Any = None
     is_causal: bool = False
     use_qk_norm: bool = False
@@ -51,7 +53,8 @@ class CPAttention(nn.Module):
     def spec(self) -> AttentionSpec:
         return AttentionSpec(
             num_heads=self.num_heads, in_features=self.in_features, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, is_causal=self.is_causal, use_qk_norm=self.use_qk_norm,
+            head_dim=self.head_dim, out_features=self.out_features, v_head_dim=self.v_head_dim,
+            is_causal=self.is_causal, use_qk_norm=self.use_qk_norm,
             rope_theta=self.rope_theta, use_bias=self.use_bias, kernel=self.kernel, kv_exchange=self.kv_exchange,
             overlap_chunks=AUTO if self.overlap_chunks is None else self.overlap_chunks,
             fused_qkv_chunks=self.fused_qkv_chunks, block_q=self.block_q, block_kv=self.block_kv,

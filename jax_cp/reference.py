@@ -132,13 +132,14 @@ class Attention(nnx.Module):
     copies a CP module's parameters into it.
     """
 
-    def __init__(self, num_heads, in_features, *, num_kv_heads=None, head_dim=None, is_causal=False,
+    def __init__(self, num_heads, in_features, *, num_kv_heads=None, head_dim=None, out_features=None, v_head_dim=None,
+                 is_causal=False,
                  use_qk_norm=False, rope_theta=None, use_bias=False, use_sinks=False, logits_soft_cap=None,
                  record_max_logits=False, dtype=None, param_dtype=jnp.float32,
                  kernel_init=nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
         self.spec = AttentionSpec(
             num_heads=num_heads, in_features=in_features, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            is_causal=is_causal, use_qk_norm=use_qk_norm, rope_theta=rope_theta, use_bias=use_bias,
+            out_features=out_features, v_head_dim=v_head_dim, is_causal=is_causal, use_qk_norm=use_qk_norm, rope_theta=rope_theta, use_bias=use_bias,
             use_sinks=use_sinks, logits_soft_cap=logits_soft_cap, record_max_logits=record_max_logits,
         )
         self.dtype = dtype

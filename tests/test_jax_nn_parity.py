@@ -1,4 +1,5 @@
-"""``jax_cp.dot_product_attention`` where it is ``jax.nn.dot_product_attention``'s counterpart: the same
+"""``jax_cp.dot_product_attention`` (and ``CPAttention``) where they are the counterparts of
+``jax.nn.dot_product_attention`` (and flax's ``MultiHeadAttention``): the same
 call (rank-4 or unbatched rank-3, GQA, causal, scale, sliding window, ``implementation=``) gives
 jax.nn's output and gradients on a CP mesh; what CP cannot take (dense ``bias``/``mask``) is refused
 with the data-driven alternative. ``return_residual`` gives jax.nn's log-sum-exp, differentiable."""
@@ -111,3 +112,25 @@ def test_what_cp_cannot_take_is_refused_with_the_alternative():
         jax_cp.dot_product_attention(q, k, v, mesh=mesh, key_value_seq_lengths=jnp.array([1, 2, 3]))
     with pytest.raises(ValueError, match=r"query.shape=\(32, 8, 8\) must have rank 4 \(BSHD\), or rank 3 \(SHD: one"):
         jax_cp.dot_product_attention(q[0], k, v, mesh=mesh)
+
+
+def test_module_with_out_features_matches_flax_multi_head_attention():
+    """``CPAttention(out_features=...)`` (``!= in_features``) against flax's own
+    ``nnx.MultiHeadAttention`` holding the same weights (no bias, full attention): output and
+    gradients, on a 2x2x2 mesh."""
+    from flax import nnx
+
+    D, E = 32, 24
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    attn = jax_cp.CPAttention(H, D, out_features=E, mesh=mesh, rngs=nnx.Rngs(0))
+    assert attn.o_kernel[...].shape == (H, D // H, E)
+    flax_mha = nnx.MultiHeadAttention(H, D, out_features=E, use_bias=False, decode=False, rngs=nnx.Rngs(1))
+    for ours, theirs in (("q_kernel", "query"), ("k_kernel", "key"), ("v_kernel", "value"), ("o_kernel", "out")):
+        getattr(flax_mha, theirs).kernel[...] = jax.device_get(getattr(attn, ours)[...])
+    x = jax.random.normal(jax.random.key(2), (B, S, D))
+    ct = jax.random.normal(jax.random.key(3), (B, S, E))
+    out, (gx,) = fwd_and_vjp(lambda x: attn(x), (x,), ct)
+    want, (want_gx,) = fwd_and_vjp(lambda x: flax_mha(x), (x,), ct)
+    assert out.shape == (B, S, E)
+    assert_close(out, want, jnp.float32, "output")
+    assert_close(gx, want_gx, jnp.float32, "dx")

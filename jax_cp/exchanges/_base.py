@@ -12,12 +12,13 @@ import dataclasses
 from typing import ClassVar, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from jax_cp import kernels as _kernels
 from jax_cp._mesh import COLOSSAL, ULYSSES, seq_chunk
 from jax_cp._ulysses import seq_to_heads
 
-__all__ = ["KVExchange", "Meta", "attend_gathered", "register", "REGISTRY"]
+__all__ = ["KVExchange", "Meta", "attend_gathered", "pair_kv", "register", "REGISTRY"]
 
 REGISTRY: list["KVExchange"] = []
 
@@ -86,11 +87,26 @@ class KVExchange:
         return self.attend(q_BTHd, k, v, meta, spec, sinks)
 
 
+def pair_kv(k_BTKd, v_BTKd):
+    """K and V as one tensor for one collective: stacked on axis 2 (``[B, T, 2, K, d]``), or, when
+    their head dims differ (MLA), joined along it (``[B, T, 1, K, d_k + d_v]``)."""
+    if k_BTKd.shape == v_BTKd.shape:
+        return jnp.stack([k_BTKd, v_BTKd], axis=2)
+    return jnp.concatenate([k_BTKd, v_BTKd], axis=-1)[:, :, None]
+
+
+def _unpair_kv(kv, d_k: int):
+    if kv.shape[2] == 2:
+        return kv[:, :, 0], kv[:, :, 1]
+    return kv[:, :, 0, :, :d_k], kv[:, :, 0, :, d_k:]
+
+
 def attend_gathered(q_BTHd, kv_BS2Kd, meta: Meta, spec, sinks=None):
-    """The local kernel on the colossal chunk of queries and every token's K and V (stacked on axis 2)."""
+    """The local kernel on the colossal chunk of queries and every token's K and V (``pair_kv``'d)."""
     pos, seg = seq_chunk(meta.pos, (COLOSSAL,)), seq_chunk(meta.seg, (COLOSSAL,))
+    k, v = _unpair_kv(kv_BS2Kd, q_BTHd.shape[-1])
     return _kernels.local_attention(
-        q_BTHd, kv_BS2Kd[:, :, 0], kv_BS2Kd[:, :, 1], kernel=spec.kernel, q_positions=pos,
+        q_BTHd, k, v, kernel=spec.kernel, q_positions=pos,
         kv_positions=meta.pos, q_segment_ids=seg, kv_segment_ids=meta.keys_seg, is_causal=spec.is_causal,
         local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q, block_kv=spec.block_kv,
         logits_soft_cap=spec.logits_soft_cap, sinks=sinks, return_max_logits=spec.record_max_logits,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_cp._mesh import COLOSSAL
-from jax_cp.exchanges._base import KVExchange, Meta, attend_gathered, register
+from jax_cp.exchanges._base import KVExchange, Meta, attend_gathered, pair_kv, register
 
 __all__ = ["AllGather", "gather_seq"]
 
@@ -54,5 +54,5 @@ class AllGather(KVExchange):
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
         # K and V travel in one collective: fewer, larger exchanges leave more compute to hide
         # each under (TPU runs one all-to-all at a time).
-        kv = gather_seq(jnp.stack([k_BTKd, v_BTKd], axis=2), COLOSSAL)
+        kv = gather_seq(pair_kv(k_BTKd, v_BTKd), COLOSSAL)
         return attend_gathered(q_BTHd, kv, meta, spec, sinks)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_cp._mesh import COLOSSAL, ULYSSES
-from jax_cp.exchanges._base import KVExchange, Meta, attend_gathered, register
+from jax_cp.exchanges._base import KVExchange, Meta, attend_gathered, pair_kv, register
 
 __all__ = ["AllToAll", "spread_kv"]
 
@@ -75,11 +75,11 @@ class AllToAll(KVExchange):
     no_fuse_reason = "K and V then take their own all-to-all over both CP axes"
 
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
-        kv = spread_kv(jnp.stack([k_BTKd, v_BTKd], axis=2), COLOSSAL)
+        kv = spread_kv(pair_kv(k_BTKd, v_BTKd), COLOSSAL)
         return attend_gathered(q_BTHd, kv, meta, spec, sinks)
 
     def attend_local(self, q_BTHd, k_BtKd, v_BtKd, meta: Meta, spec, sinks=None):
         if lax.axis_size(COLOSSAL) == 1:  # pure Ulysses: the Ulysses all-to-all is the whole exchange
             return super().attend_local(q_BTHd, k_BtKd, v_BtKd, meta, spec, sinks)
-        kv = spread_kv(jnp.stack([k_BtKd, v_BtKd], axis=2), COLOSSAL, ULYSSES)
+        kv = spread_kv(pair_kv(k_BtKd, v_BtKd), COLOSSAL, ULYSSES)
         return attend_gathered(q_BTHd, kv, meta, spec, sinks)
