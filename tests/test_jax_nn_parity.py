@@ -40,7 +40,7 @@ def test_matches_jax_nn(case):
 def test_residual_is_jax_nn_s_with_its_gradient(layout, kv_exchange, shape):
     """``return_residual=True``: jax.nn's output and log-sum-exp of each row's logits ``[B, T, N]``;
     the gradient through the residual (d lse / d scores = p) against ``jax_cp.reference``'s plain
-    ``logsumexp`` (jax.nn's own gradients are zero with ``return_residual``: no reference there)."""
+    ``logsumexp`` (jax.nn drops the residual's cotangent: no reference for that part there)."""
     c, u, t = layout
     mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
     q, k, v, ct = random_qkv(B, S, H, 2, d, seed=12)
