@@ -21,7 +21,7 @@ from jax import lax
 from jax_cp._masks import Window, normalize_window, visible
 
 __all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "auto_blocks", "check_block", "check_soft_cap",
-           "check_sinks", "fold_sinks", "head_max", "sinks_grad", "forward", "backward", "varying", "vary_as", "vma", "NEG"]
+           "check_sinks", "varying_sinks", "fold_sinks", "head_max", "sinks_grad", "forward", "backward", "varying", "vary_as", "vma", "NEG"]
 
 NEG = -1e30  # finite minus-infinity: masked scores, and the lse of rows that see no key
 _IMAX, _IMIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
@@ -476,8 +476,7 @@ def blockwise_attention(
     i32 = lambda a: None if a is None else jnp.asarray(a, jnp.int32)
     qm = Meta(i32(q_positions), i32(q_segment_ids))
     km = Meta(i32(kv_positions), i32(kv_segment_ids))
-    if sinks is not None:
-        sinks = vary_as(check_sinks(sinks, q_BTHd.shape[2]), q_BTHd, k_BSKd, v_BSKd, qm, km)
+    sinks = varying_sinks(sinks, q_BTHd, k_BSKd, v_BSKd, qm, km)
     return _attention(q_BTHd, k_BSKd, v_BSKd, qm, km, sinks, spec)
 
 
@@ -488,3 +487,9 @@ def check_sinks(sinks, num_heads: int):
         raise ValueError(f"sinks (shape={shape}, dtype={dtype}) must be a floating array of shape "
                          f"(num_heads,)=({num_heads},): one sink logit per query head.")
     return sinks
+
+
+def varying_sinks(sinks, q_BTHd, *refs):
+    """Checked ``sinks`` (``None`` passes), typed to vary over the manual axes ``q`` and ``refs``
+    vary over: the sink gradient, summed from them, then has the primal's type."""
+    return None if sinks is None else vary_as(check_sinks(sinks, q_BTHd.shape[2]), q_BTHd, *refs)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_cp._blockwise import check_soft_cap, vma as _vma
+from jax_cp._blockwise import check_soft_cap, vary_as as _vary_as, vma as _vma
 
 __all__ = ["splash_attention", "splash_unsupported_reason", "LANES", "RingStep", "ring_prepare", "ring_forward_step",
            "ring_backward_step"]
@@ -150,12 +150,6 @@ def _no_vma_check():
 
     state = getattr(config, "_check_vma", None)
     return state(False) if state is not None else contextlib.nullcontext()
-
-
-def _vary_as(x, *refs):
-    """``x`` retyped to vary over the manual axes the ``refs`` vary over (no data movement)."""
-    want, have = frozenset().union(*map(_vma, refs)), _vma(x)
-    return lax.pcast(x, tuple(sorted(want - have)), to="varying") if want - have else x
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp._blockwise import (auto_blocks, blockwise_attention, check_block, check_sinks, check_soft_cap, head_max,
-                               vary_as)
+                               varying_sinks)
 from jax_cp._cudnn import cudnn_attention, cudnn_unsupported_reason
 from jax_cp._masks import Window, normalize_window, visible
 from jax_cp._splash import splash_attention, splash_unsupported_reason
@@ -156,8 +156,7 @@ def local_attention(
                            has_segments=q_segment_ids is not None, dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1],
                            soft_cap=logits_soft_cap is not None, sinks=sinks is not None,
                            max_logits=return_max_logits, residual=return_residual, v_head_dim=v_BSKd.shape[-1])
-    if sinks is not None:
-        sinks = vary_as(check_sinks(sinks, q_BTHd.shape[2]), q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions)
+    sinks = varying_sinks(sinks, q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions)
     kw = dict(q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
               kv_segment_ids=kv_segment_ids, is_causal=is_causal, local_window_size=window, scale=scale,
               logits_soft_cap=logits_soft_cap, sinks=sinks)

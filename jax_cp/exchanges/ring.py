@@ -179,7 +179,7 @@ def splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_n
     qx, qm, home, step = sp.ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, scale=scale,
                                          is_causal=is_causal, interpret=interpret,
                                          soft_cap=bw.check_soft_cap(logits_soft_cap), kv_seg_BT=kv_seg_BT)
-    sinks = _checked_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT)
+    sinks = bw.varying_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT)
     o = _splash_ring(qx, qm, home, sinks, axis_name, step)
     return jnp.swapaxes(o[:, :, :T], 1, 2)
 
@@ -204,12 +204,9 @@ def ring_attention(
                         return_max_logits=return_max_logits, return_residual=return_residual)
     pos = jnp.asarray(pos_BT, jnp.int32)
     seg, kv_seg = (None if a is None else jnp.asarray(a, jnp.int32) for a in (seg_BT, kv_seg_BT))
-    sinks = _checked_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos, seg)
+    sinks = bw.varying_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos, seg)
     return _ring(q_BTHd, k_BTKd, v_BTKd, pos, seg, kv_seg, sinks, axis_name, spec)
 
-
-def _checked_sinks(sinks, q_BTHd, *refs):
-    return None if sinks is None else bw.vary_as(bw.check_sinks(sinks, q_BTHd.shape[2]), q_BTHd, *refs)
 
 
 @register
