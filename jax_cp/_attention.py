@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 from jax_cp._blockwise import check_sinks
 from jax_cp._defaults import AUTO
-from jax_cp._body import GivenQKV, attention_shard, check_dtype, check_metadata, placed_metadata, shard_call
+from jax_cp._body import (GivenQKV, attention_shard, check_dtype, metadata_sides, placed_metadata, shard_call,
+                          shard_meta)
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place
 from jax_cp._spec import AttentionSpec, check_seq_batch
 from jax_cp.kernels import KERNELS
@@ -31,8 +32,8 @@ LAYOUTS = ("BSHD", "BNSD")
 X_SPEC = P(DP, CP, TP, None)  # [B, S, H, d]
 
 
-def _shard_fn(q, k, v, sinks, pos_BS, seg_BS=None, kv_seg_BS=None, *, spec):
-    return attention_shard(GivenQKV(q, k, v, sinks), pos_BS, seg_BS, kv_seg_BS, spec=spec)
+def _shard_fn(q, k, v, sinks, *meta, spec, fields):
+    return attention_shard(GivenQKV(q, k, v, sinks), shard_meta(fields, meta), spec=spec)
 
 
 def _check_qkv(query, key, value, layout):
@@ -48,14 +49,14 @@ def _check_qkv(query, key, value, layout):
         query, key, value = (a[None] for a in (query, key, value))
     if layout == "BNSD":
         query, key, value = (jnp.swapaxes(a, 1, 2) for a in (query, key, value))
-    B, S, H, d = query.shape
+    B, T, H, d = query.shape
     if key.shape[:3] != value.shape[:3]:
         raise ValueError(f"key.shape={key.shape} and value.shape={value.shape} must match but for the head dim "
                          "(the value's may differ: MLA).")
-    if key.shape[0] != B or key.shape[1] != S or key.shape[3] != d:
+    if key.shape[0] != B or key.shape[3] != d:
         raise ValueError(
-            f"key.shape={key.shape} does not fit query.shape={query.shape}: batch, sequence and head dim "
-            f"must match (layout={layout!r})."
+            f"key.shape={key.shape} does not fit query.shape={query.shape}: batch and head dim must match "
+            f"(layout={layout!r}; the sequence lengths may differ: cross attention)."
         )
     if not (query.dtype == key.dtype == value.dtype):
         raise ValueError(f"query/key/value dtypes {query.dtype}/{key.dtype}/{value.dtype} must be equal.")
@@ -93,7 +94,7 @@ def dot_product_attention(
     positions=None, segment_ids=None, local_window_size=None,
     kernel="auto", kv_exchange=AUTO, block_q=None, block_kv=None, logits_soft_cap=None, sinks=None,
     return_max_logits=False, implementation=None, return_residual=False, query_seq_lengths=None,
-    key_value_seq_lengths=None,
+    key_value_seq_lengths=None, kv_positions=None, kv_segment_ids=None,
 ):
     """Context-parallel counterpart of ``jax.nn.dot_product_attention``.
 
@@ -118,56 +119,70 @@ def dot_product_attention(
     differentiable: ``(out, residual)``, or ``(out, max_logits, residual)`` with both.
     jax.nn's ``query_seq_lengths``/``key_value_seq_lengths`` (``[B]``): tokens at positions from
     the length on are padding as queries (zero output) / as keys (never seen).
+    Cross attention: ``key``/``value`` of their own length ``S``, at ``kv_positions`` (``arange(S)``)
+    with ``kv_segment_ids`` (``[S]``/``[B, S]``; segment ids on both sides or neither; README).
     """
     kernel = _check_jax_nn_arguments(bias, mask, implementation, kernel)
     dims = mesh_dims(mesh)
     unbatched = getattr(query, "ndim", None) == 3
     query, key, value = _check_qkv(query, key, value, layout)
-    (B, S, H, d), K = query.shape, key.shape[2]
-    spec = _resolved_spec(mesh, query, K, is_causal=is_causal, scale=scale, local_window_size=local_window_size,
+    (B, T, H, d), (S, K) = query.shape, key.shape[1:3]
+    spec = _resolved_spec(mesh, query, K, S, is_causal=is_causal, scale=scale, local_window_size=local_window_size,
                           kernel=kernel, kv_exchange=kv_exchange, block_q=block_q, block_kv=block_kv,
                           logits_soft_cap=logits_soft_cap, record_max_logits=bool(return_max_logits),
                           return_residual=bool(return_residual), v_head_dim=value.shape[-1])
     rep = spec.layout(dims).kv_expanded // K  # minimal repetition so t*u devices each hold whole kv heads
-    check_seq_batch(B, S, dims)
-    segment_ids, kv_segment_ids = _length_padding(segment_ids, positions, query_seq_lengths,
-                                                  key_value_seq_lengths, B, S)
-    meta, meta_specs = placed_metadata(positions, segment_ids, B, S, mesh, kv_segment_ids)
+    meta, meta_specs, fields = _placed_meta(mesh, dims, B, T, S, (positions, segment_ids, kv_positions, kv_segment_ids),
+                                            (query_seq_lengths, key_value_seq_lengths))
     if rep > 1:
         key, value = (jnp.repeat(a, rep, axis=2) for a in (key, value))
     sinks = None if sinks is None else place(check_sinks(sinks, H), mesh, P(TP))
-    out = _shard_attention(spec, mesh, [query, key, value, sinks] + meta, meta_specs)
+    out = _shard_attention(spec, mesh, [query, key, value, sinks] + meta, meta_specs, fields)
     return _as_given(out, layout, unbatched)
 
 
-def _resolved_spec(mesh, query, num_kv_heads: int, **options) -> AttentionSpec:
-    """The call's ``AttentionSpec`` (one head chunk, no fused exchange), ``"auto"`` resolved for ``mesh``."""
-    B, S, H, d = query.shape
+def _placed_meta(mesh, dims, batch: int, q_len: int, kv_len: int, given: tuple, lengths: tuple):
+    """Both lengths checked against the mesh; the placed metadata of queries and keys
+    (``placed_metadata``'s three values) from the given positions/segment ids and jax.nn's lengths."""
+    check_seq_batch(batch, q_len, dims)
+    check_seq_batch(batch, kv_len, dims, name="the key/value sequence length")
+    sides = metadata_sides(*given, batch, q_len, kv_len)
+    pos, seg, kv_seg, kv_pos = _length_padding(*sides, *lengths, batch, q_len)
+    return placed_metadata(pos, seg, batch, q_len, mesh, kv_seg, kv_pos)
+
+
+def _resolved_spec(mesh, query, num_kv_heads: int, kv_len: int, **options) -> AttentionSpec:
+    """The call's ``AttentionSpec`` (one head chunk, no fused exchange), ``"auto"`` resolved for ``mesh``
+    (the memory rule sizes the K/V of ``kv_len`` tokens)."""
+    B, _, H, d = query.shape
     spec = AttentionSpec(num_heads=H, num_kv_heads=num_kv_heads, head_dim=d, overlap_chunks=1, fused_qkv_chunks=0,
                          **options)
-    return spec.resolve(mesh, batch=B, seq_len=S, itemsize=query.dtype.itemsize)[0]
+    return spec.resolve(mesh, batch=B, seq_len=kv_len, itemsize=query.dtype.itemsize)[0]
 
 
-def _length_padding(segment_ids, positions, q_lengths, kv_lengths, batch: int, seq_len: int):
-    """``(segment ids as queries, as keys or None)``: jax.nn's ``*_seq_lengths`` as negative segment
-    ids (padding) of the tokens whose position is at or beyond their row's length."""
+def _length_padding(pos, seg, kv_seg, kv_pos, q_lengths, kv_lengths, batch: int, q_len: int):
+    """``metadata_sides``' ``(pos, seg, kv_seg, kv_pos)`` with jax.nn's ``*_seq_lengths`` as negative
+    segment ids (padding) of the queries / keys whose position is at or beyond their row's length."""
     if q_lengths is None and kv_lengths is None:
-        return segment_ids, None
-    base = check_metadata("segment_ids", segment_ids, batch, seq_len)
-    base = jnp.zeros((batch, seq_len), jnp.int32) if base is None else base
-    pos = check_metadata("positions", positions, batch, seq_len)
-    pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len)) if pos is None else pos
+        return pos, seg, kv_seg, kv_pos
+    pos = jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32), (batch, q_len)) if pos is None else pos
+    keys_pos = pos if kv_pos is None else kv_pos
+    if kv_seg is None:  # the keys' documents are the queries' (self-attention), or one (cross attention)
+        kv_seg = seg if keys_pos.shape[1] == q_len else jnp.zeros(keys_pos.shape, jnp.int32)
+    seg = jnp.zeros((batch, q_len), jnp.int32) if seg is None else seg
+    kv_seg = seg if kv_seg is None else kv_seg
     sides = []
-    for name, lengths in (("query_seq_lengths", q_lengths), ("key_value_seq_lengths", kv_lengths)):
+    for name, lengths, p, s in (("query_seq_lengths", q_lengths, pos, seg),
+                                ("key_value_seq_lengths", kv_lengths, keys_pos, kv_seg)):
         if lengths is None:
-            sides.append(base)
+            sides.append(s)
             continue
         lengths = jnp.asarray(lengths)
         if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
             raise ValueError(f"{name} (shape={lengths.shape}, dtype={lengths.dtype}) must be an integer array of "
                              f"shape (batch,)=({batch},): each row's unpadded length.")
-        sides.append(jnp.where(pos < lengths.astype(jnp.int32)[:, None], base, -1))
-    return sides[0], sides[1]
+        sides.append(jnp.where(p < lengths.astype(jnp.int32)[:, None], s, -1))
+    return pos, sides[0], sides[1], kv_pos
 
 
 def _as_given(outs, layout: str, unbatched: bool):
@@ -181,10 +196,12 @@ def _as_given(outs, layout: str, unbatched: bool):
     return (out, *extra) if extra else out
 
 
-def _shard_attention(spec, mesh, args, meta_specs):
-    """The per-shard body on placed ``q, k, v [B, S, H, d]``, sinks and metadata: ``(out, [max_logits])``."""
+def _shard_attention(spec, mesh, args, meta_specs, fields):
+    """The per-shard body on placed ``q, k, v [B, S, H, d]``, sinks and metadata (``fields``: the
+    ``Meta`` fields given): ``(out, [max_logits])``."""
     args = [place(a, mesh, X_SPEC) for a in args[:3]] + args[3:]
     extra = ((P(TP),) if spec.record_max_logits else ()) + ((P(DP, CP, TP),) if spec.return_residual else ())
     out_specs = (X_SPEC, *extra) if extra else X_SPEC
-    out = shard_call(partial(_shard_fn, spec=spec), mesh, (X_SPEC,) * 3 + (P(TP), *meta_specs), out_specs, args)
+    fn = partial(_shard_fn, spec=spec, fields=fields)
+    out = shard_call(fn, mesh, (X_SPEC,) * 3 + (P(TP), *meta_specs), out_specs, args)
     return out if extra else (out,)

@@ -32,7 +32,7 @@ from jax_cp._ulysses import heads_to_seq, seq_to_heads
 from jax_cp.exchanges import Meta
 
 __all__ = ["attention_shard", "GivenQKV", "placed_metadata", "check_dtype", "check_metadata", "META_SPEC",
-           "shard_call"]
+           "metadata_sides", "shard_call", "shard_meta"]
 
 # [B, S] positions / segment ids: replicated over the sequence axes. Each device slices
 # the parts it needs, so the layer runs no collective for metadata (ints, B*S*4 bytes,
@@ -40,10 +40,11 @@ __all__ = ["attention_shard", "GivenQKV", "placed_metadata", "check_dtype", "che
 META_SPEC = P(DP, None)
 
 
-def attention_shard(projections, pos_BS, seg_BS, kv_seg_BS=None, *, spec):
+def attention_shard(projections, meta: Meta, *, spec):
     """Per device: every head chunk through project -> exchange -> attend -> output, then finish
-    (``kv_seg_BS``: the tokens' segment ids as keys, when the padding of keys differs)."""
-    meta, exchange = Meta(pos_BS, seg_BS, kv_seg_BS), spec.kv_exchange
+    (``meta``: the full-sequence positions and segment ids of the queries and, where they differ,
+    of the keys)."""
+    exchange = spec.kv_exchange
     y, stats, residuals = 0, [], []
     for i in range(spec.overlap_chunks):
         # Chunk i's collectives depend on nothing of chunk i+1: XLA hides one under the other.
@@ -127,23 +128,51 @@ def check_dtype(name: str, dtype) -> None:
                          "(float32, bfloat16, float16, float64 with jax_enable_x64); cast first, e.g. x.astype(jnp.float32).")
 
 
-def placed_metadata(positions, segment_ids, batch: int, seq_len: int, mesh, kv_segment_ids=None):
-    """Checked, placed ``[B, S]`` positions (``arange`` when None) and segment ids (if given; with
-    ``kv_segment_ids``, the tokens' ids as keys, both are given).
+def metadata_sides(positions, segment_ids, kv_positions, kv_segment_ids, batch: int, q_len: int, kv_len: int):
+    """Checked ``[B, T]`` / ``[B, S]`` metadata ``(pos, seg, kv_seg, kv_pos)`` of the queries and the
+    keys (``exchanges.Meta``'s fields). The keys' are ``None`` where they are the queries' own
+    (self-attention); cross attention (``kv_len != q_len`` or key metadata given) states them:
+    positions ``arange(kv_len)`` unless given, segment ids on both sides or neither."""
+    pos = check_metadata("positions", positions, batch, q_len)
+    seg = check_metadata("segment_ids", segment_ids, batch, q_len)
+    kv_pos = check_metadata("kv_positions", kv_positions, batch, kv_len)
+    kv_seg = check_metadata("kv_segment_ids", kv_segment_ids, batch, kv_len)
+    if kv_seg is not None and seg is None:
+        raise ValueError("kv_segment_ids is given but segment_ids is not: pass the queries' segment ids too "
+                         "(segment_ids=, shape (batch, q_len)).")
+    if kv_len != q_len and seg is not None and kv_seg is None:
+        raise ValueError(f"segment_ids gives the queries' documents, but the keys are other tokens (cross "
+                         f"attention: kv length {kv_len} != query length {q_len}); pass kv_segment_ids= of shape "
+                         f"(batch, {kv_len}) too.")
+    if kv_len != q_len and kv_pos is None:
+        kv_pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (batch, kv_len))
+    return pos, seg, kv_seg, kv_pos
 
-    Returns the shard_map arguments and their in_specs, so every entry point
-    hands its per-shard function ``pos_BS`` and, only when given, ``seg_BS``.
+
+def placed_metadata(positions, segment_ids, batch: int, seq_len: int, mesh, kv_segment_ids=None,
+                    kv_positions=None):
+    """Checked, placed ``[B, S]`` positions (``arange`` when None) and segment ids (if given), and
+    the keys' own (``kv_segment_ids``, ``kv_positions``: ``metadata_sides``'), if given.
+
+    Returns the shard_map arguments, their in_specs and the ``exchanges.Meta`` field each fills,
+    so every entry point hands its per-shard function only what was given (``shard_meta``).
     """
     positions = check_metadata("positions", positions, batch, seq_len)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
     segment_ids = check_metadata("segment_ids", segment_ids, batch, seq_len)
-    kv_segment_ids = check_metadata("kv_segment_ids", kv_segment_ids, batch, seq_len)
-    present = [place(a, mesh, META_SPEC) for a in (positions, segment_ids, kv_segment_ids) if a is not None]
+    given = [(name, place(a, mesh, META_SPEC)) for name, a in
+             zip(Meta._fields, (positions, segment_ids, kv_segment_ids, kv_positions)) if a is not None]
     # Opaque to constant folding: folded into the kernel's per-block bounds, the default arange
     # becomes a reduce over an iota that libtpu 0.0.52 aborts on while splitting it over a v5p
     # chip's two TensorCores (MegacoreTransformWindow check failure).
-    return list(lax.optimization_barrier(tuple(present))), [META_SPEC] * len(present)
+    args = list(lax.optimization_barrier(tuple(a for _, a in given)))
+    return args, [META_SPEC] * len(given), tuple(name for name, _ in given)
+
+
+def shard_meta(fields: tuple[str, ...], args) -> Meta:
+    """Inside ``shard_map``: the ``Meta`` of the metadata ``placed_metadata`` handed in."""
+    return Meta(**dict(zip(fields, args)))
 
 
 def _eager(args) -> bool:

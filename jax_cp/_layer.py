@@ -16,12 +16,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_cp._body import attention_shard, check_dtype, placed_metadata, shard_call
+from jax_cp._body import attention_shard, check_dtype, metadata_sides, placed_metadata, shard_call, shard_meta
+from jax_cp._defaults import AUTO
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place
 from jax_cp._projection import LinearProjections
 from jax_cp._spec import AttentionSpec, Layout, check_seq_batch
 
-__all__ = ["AttentionSharding", "init_param", "layer_forward", "param_shapes", "param_specs", "storage_specs"]
+__all__ = ["AttentionSharding", "init_param", "kv_inputs", "layer_forward", "param_shapes", "param_specs",
+           "storage_specs"]
 
 X_SPEC = P(DP, CP, None)
 PARAMS = ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm",
@@ -103,31 +105,73 @@ def init_param(name: str, shape, key, dtype, kernel_init):
     return jnp.zeros(shape, dtype)
 
 
-def _layer_shard(params, x_BSD, pos_BS, seg_BS=None, *, spec: AttentionSpec, layout: Layout, dtype):
-    projections = LinearProjections(params, x_BSD, pos_BS, spec=spec, layout=layout, dtype=dtype)
-    return attention_shard(projections, pos_BS, seg_BS, spec=spec)
+def _layer_shard(params, x_BSD, *args, spec: AttentionSpec, layout: Layout, dtype, fields, n_kv: int = 0):
+    meta = shard_meta(fields, args[n_kv:])  # args: cross attention's K/V inputs, then the metadata
+    projections = LinearProjections(params, x_BSD, meta.pos, spec=spec, layout=layout, dtype=dtype,
+                                    kv_x=args[:n_kv], kv_pos_BS=meta.kv_pos)
+    return attention_shard(projections, meta, spec=spec)
+
+
+def _check_input(name: str, x, in_features: int, batch: int | None = None):
+    if getattr(x, "ndim", None) != 3 or x.shape[-1] != in_features or batch not in (None, x.shape[0]):
+        b = "batch" if batch is None else f"batch={batch}"
+        raise ValueError(f"{name}.shape={getattr(x, 'shape', None)} must be ({b}, seq_len, "
+                         f"in_features={in_features}).")
+    check_dtype(name, x.dtype)
+
+
+def kv_inputs(x_BSD, inputs_k=None, inputs_v=None, inputs_kv=None) -> tuple:
+    """The inputs K and V are projected from, when they are not ``x`` (flax's ``inputs_k``/``inputs_v``,
+    each defaulting to the one before; ``inputs_kv``: one input for both): ``()`` for
+    self-attention, ``(x_kv,)`` when K and V share one input, ``(x_k, x_v)`` otherwise."""
+    if inputs_kv is not None:
+        if inputs_k is not None or inputs_v is not None:
+            raise ValueError("inputs_kv= is one input for keys and values; pass it or inputs_k/inputs_v, not both.")
+        inputs_k = inputs_kv
+    k = x_BSD if inputs_k is None else inputs_k
+    v = k if inputs_v is None else inputs_v
+    if k is x_BSD and v is x_BSD:
+        return ()
+    return (k,) if v is k else (k, v)
+
+
+def _cross_spec(spec: AttentionSpec, cross: bool) -> AttentionSpec:
+    """Cross attention's K/V are other tokens than Q, so they never share Q's all-to-all."""
+    if not cross or spec.fused_qkv_chunks == 0:
+        return spec
+    if spec.fused_qkv_chunks != AUTO:
+        raise ValueError(f"fused_qkv_chunks={spec.fused_qkv_chunks} sends Q, K and V of the same tokens in one "
+                         "all-to-all, but cross attention projects K and V from other inputs; use "
+                         "fused_qkv_chunks=0 (or 'auto').")
+    return spec.replace(fused_qkv_chunks=0)
 
 
 def layer_forward(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None, positions=None,
-                  segment_ids=None, local_window_size=None, scale=None):
+                  segment_ids=None, local_window_size=None, scale=None, kv_x: tuple = (), kv_positions=None,
+                  kv_segment_ids=None):
     """Applies the layer to a global ``x [B, S, D]``; returns ``y [B, S, out_features]`` sharded like x (and
-    ``max_logits [H]`` with ``spec.record_max_logits``)."""
-    if getattr(x_BSD, "ndim", None) != 3 or x_BSD.shape[-1] != spec.in_features:
-        raise ValueError(f"x.shape={getattr(x_BSD, 'shape', None)} must be (batch, seq_len, "
-                         f"in_features={spec.in_features}).")
+    ``max_logits [H]`` with ``spec.record_max_logits``). Cross attention: ``kv_x`` (``kv_inputs``'),
+    ``[B, S_kv, D]`` each, at ``kv_positions`` with ``kv_segment_ids`` (``metadata_sides``)."""
+    _check_input("x", x_BSD, spec.in_features)
     B, S, _ = x_BSD.shape
-    check_dtype("x", x_BSD.dtype)
+    for name, a in zip(("inputs_k", "inputs_v"), kv_x):
+        _check_input(name, a, spec.in_features, B)
+    S_kv = kv_x[0].shape[1] if kv_x else S
+    if len(kv_x) == 2 and kv_x[1].shape != kv_x[0].shape:
+        raise ValueError(f"inputs_v.shape={kv_x[1].shape} must equal inputs_k.shape={kv_x[0].shape}.")
     dtype = jnp.dtype(x_BSD.dtype if dtype is None else dtype)
     check_dtype("dtype", dtype)
-    spec, _ = spec.replace(local_window_size=local_window_size, scale=scale).resolve(
-        mesh, batch=B, seq_len=S, itemsize=dtype.itemsize)
+    spec, _ = _cross_spec(spec.replace(local_window_size=local_window_size, scale=scale), bool(kv_x)).resolve(
+        mesh, batch=B, seq_len=S_kv, itemsize=dtype.itemsize)
     layout = spec.layout(mesh_dims(mesh))
     check_seq_batch(B, S, layout.dims)
-    meta, meta_specs = placed_metadata(positions, segment_ids, B, S, mesh)
+    check_seq_batch(B, S_kv, layout.dims, name="the key/value inputs' seq_len")
+    sides = metadata_sides(positions, segment_ids, kv_positions, kv_segment_ids, B, S, S_kv)
+    meta, meta_specs, fields = placed_metadata(sides[0], sides[1], B, S, mesh, *sides[2:])
     specs = _compute_specs(spec, layout)
     params = {k: place(params[k], mesh, specs[k]) for k in specs}
-    args = [params, place(x_BSD, mesh, X_SPEC)] + meta
-    in_specs = [specs, X_SPEC] + meta_specs
-    fn = partial(_layer_shard, spec=spec, layout=layout, dtype=dtype)
+    args = [params, place(x_BSD, mesh, X_SPEC), *(place(a, mesh, X_SPEC) for a in kv_x)] + meta
+    in_specs = [specs, X_SPEC] + [X_SPEC] * len(kv_x) + meta_specs
+    fn = partial(_layer_shard, spec=spec, layout=layout, dtype=dtype, fields=fields, n_kv=len(kv_x))
     out_specs = (X_SPEC, P(TP)) if spec.record_max_logits else X_SPEC
     return shard_call(fn, mesh, tuple(in_specs), out_specs, args)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_cp._defaults import AUTO, Choice
-from jax_cp._layer import AttentionSharding, init_param, layer_forward, param_shapes, storage_specs
+from jax_cp._layer import AttentionSharding, init_param, kv_inputs, layer_forward, param_shapes, storage_specs
 from jax_cp._mesh import place
 from jax_cp._spec import AttentionSpec
 
@@ -17,7 +17,8 @@ class CPAttention(nnx.Module):
 
     Call on a global ``x [B, S, D]`` (sharded ``P("dp", ("cp_colossal", "cp_ulysses"), None)``,
     or any sharding: it is resharded); returns ``y [B, S, out_features]`` (``out_features=None``: D)
-    sharded the same way.
+    sharded the same way. ``model(x, inputs_kv)`` (or flax's ``inputs_k, inputs_v``) is cross
+    attention to other tokens ``[B, S_kv, D]``, sharded along their sequence the same way.
     Parameters are created already sharded (by default q/k/v kernels split over
     ``tp`` by heads, the output kernel by rows; ``sharding``, an
     ``AttentionSharding``, stores them otherwise, e.g. FSDP over ``dp``) and
@@ -71,10 +72,16 @@ class CPAttention(nnx.Module):
         itemsize = jnp.dtype(self.dtype or jnp.float32).itemsize
         return self.spec.resolve(self.mesh, batch=batch, seq_len=seq_len, itemsize=itemsize)
 
-    def __call__(self, x, *, positions=None, segment_ids=None, local_window_size=None):
+    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, positions=None, segment_ids=None,
+                 kv_positions=None, kv_segment_ids=None, local_window_size=None):
+        """Self-attention over ``inputs_q [B, S, D]``, or cross attention (flax's arguments): keys from
+        ``inputs_k`` and values from ``inputs_v`` (``[B, S_kv, D]``; each defaults to the one before;
+        ``inputs_kv`` gives one input for both), at ``kv_positions`` with ``kv_segment_ids``."""
         params = {name: getattr(self, name)[...] for name in param_shapes(self.spec)}
-        y = layer_forward(params, x, mesh=self.mesh, spec=self.spec, dtype=self.dtype, positions=positions,
-                          segment_ids=segment_ids, local_window_size=local_window_size)
+        y = layer_forward(params, inputs_q, mesh=self.mesh, spec=self.spec, dtype=self.dtype, positions=positions,
+                          segment_ids=segment_ids, local_window_size=local_window_size,
+                          kv_x=kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), kv_positions=kv_positions,
+                          kv_segment_ids=kv_segment_ids)
         if self.spec.record_max_logits:
             y, max_logits = y
             self.sow(nnx.Intermediate, "max_logits", max_logits)

@@ -177,7 +177,7 @@ class LinearProjections:
     exchanges that measured worse: ``KVExchange.ties_chunks``).
     """
 
-    def __init__(self, params, x_BSD, pos_BS, *, spec, layout, dtype):
+    def __init__(self, params, x_BSD, pos_BS, *, spec, layout, dtype, kv_x=(), kv_pos_BS=None):
         n = spec.overlap_chunks
         self.spec, self.dtype, self.o_bias = spec, dtype, params.get("o_bias")
         self.x = _varying(x_BSD.astype(dtype))
@@ -187,6 +187,10 @@ class LinearProjections:
             if spec.use_bias else (None, None, None)
         self.norms = (w.get("q_norm"), w.get("k_norm"), None)
         self.pos = seq_chunk(pos_BS, CP)  # this device's tokens, for RoPE before the exchange
+        # Cross attention: K and V projected from other tokens (one input for both, or K's and V's)
+        # at their own positions; never fused with Q (the layer refuses fused_qkv_chunks then).
+        self.kv_x = tuple(_varying(a.astype(dtype)) for a in kv_x)
+        self.kv_pos = self.pos if kv_pos_BS is None else seq_chunk(kv_pos_BS, CP)
         self.wq = _chunks(w["q_kernel"], n, 1)
         self.wkv = list(zip(_chunks(wk, n, 1), _chunks(wv, n, 1)))
         self.wo = _chunks(w["o_kernel"], n, 0)
@@ -195,11 +199,12 @@ class LinearProjections:
         self.tie = spec.ties_chunks(layout.dims)
         self.wq_next = self.wq[0]  # the next chunk's Q weight (tied to this chunk's parts on hybrid layouts)
 
-    def _project(self, i, wq, idx):
+    def _project(self, i, wq, idx, x=None, pos=None):
         ws, bs = (wq, *self.wkv[i]), self.b[i]
         w, b, n = (tuple(t[j] for j in idx) for t in (ws, bs, self.norms))
         rotate = tuple(j < 2 for j in idx)  # RoPE on q and k
-        return project_parts(self.x, w, b, n, self.pos, self.dtype, self.spec.rope_theta, rotate)
+        x, pos = (self.x, self.pos) if x is None else (x, pos)
+        return project_parts(x, w, b, n, pos, self.dtype, self.spec.rope_theta, rotate)
 
     def q_parts(self, i):
         fused = i < self.spec.fused_qkv_chunks  # Q, K and V cross cp_ulysses in one all-to-all
@@ -213,7 +218,11 @@ class LinearProjections:
         return self._sinks[i]
 
     def kv_parts(self, i):
-        return self._project(i, None, (1, 2))
+        if len(self.kv_x) == 2:  # cross attention, K and V from inputs of their own
+            return (*self._project(i, None, (1,), self.kv_x[0], self.kv_pos),
+                    *self._project(i, None, (2,), self.kv_x[1], self.kv_pos))
+        x = self.kv_x[0] if self.kv_x else None
+        return self._project(i, None, (1, 2), x, self.kv_pos)
 
     def output(self, i, o):
         return lax.optimization_barrier(heads_to_model(o, self.wo[i], ULYSSES))

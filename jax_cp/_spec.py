@@ -199,10 +199,10 @@ class Layout:
     kv_sharded: bool  # kv weights split over tp (else replicated, sliced per tp rank)
 
 
-def check_seq_batch(batch: int, seq_len: int, dims: MeshDims) -> None:
+def check_seq_batch(batch: int, seq_len: int, dims: MeshDims, name: str = "seq_len") -> None:
     if seq_len % dims.cp:
         raise ValueError(
-            f"seq_len={seq_len} is not divisible by cp_colossal*cp_ulysses={dims.c}*{dims.u}={dims.cp}; "
+            f"{name}={seq_len} is not divisible by cp_colossal*cp_ulysses={dims.c}*{dims.u}={dims.cp}; "
             "pad the sequence to a multiple of it."
         )
     if batch % dims.dp:

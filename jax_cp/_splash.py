@@ -264,41 +264,44 @@ def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids
 class RingStep:
     """Static settings of a ring's splash steps (hashable: a ``custom_vjp`` static argument)."""
 
-    T: int  # true chunk length (queries and keys: the ring's chunks are the same tokens)
+    T: int  # true query chunk length (the keys' chunk: as long, or its own under cross attention)
     is_causal: bool
     has_segments: bool
     static: tuple  # the kernel's keyword arguments
 
 
 def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, interpret, soft_cap=None,
-                 kv_seg_BT=None):
+                 kv_seg_BT=None, kv_pos_BT=None):
     """``(q [B, H, Tp, d] scaled, q metadata, home chunk, RingStep)``. The home chunk is
-    ``(k [B, K, Tp, d], v, positions, segments)`` with each row's keys sorted by (segment,
+    ``(k [B, K, Sp, d], v, positions, segments)`` with each row's keys sorted by (segment,
     position); padding keys (beyond the chunk, or of a negative segment) carry segment
     ``int32 max`` and sort last. ``segments`` is None when there is neither padding nor a
-    segment id, so that only what the mask needs travels. ``kv_seg_BT``: the tokens' segment ids
-    as keys when they differ from ``seg_BT`` (queries')."""
+    segment id, so that only what the mask needs travels. ``kv_seg_BT`` / ``kv_pos_BT``: the keys'
+    segment ids / positions when they differ from the queries' (key padding; cross attention,
+    where K/V are a chunk of other tokens, of their own length)."""
     B, T, H, d = q_BTHd.shape
-    Tp = -(-T // LANES) * LANES
+    S = k_BTKd.shape[1]
+    Tp, Sp = -(-T // LANES) * LANES, -(-S // LANES) * LANES
     scale = d**-0.5 if scale is None else scale
     qx = jnp.swapaxes(_pad_seq(q_BTHd * jnp.asarray(scale, q_BTHd.dtype), Tp), 1, 2)
-    pos = _pad_seq(jnp.asarray(pos_BT, jnp.int32), Tp)
-    seg = _pad_seq(None if seg_BT is None else jnp.asarray(seg_BT, jnp.int32), Tp)
-    kseg_src = seg if kv_seg_BT is None else _pad_seq(jnp.asarray(kv_seg_BT, jnp.int32), Tp)
-    if kseg_src is None and Tp == T:
-        pos_s, perm = lax.sort((pos, jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), pos.shape)), num_keys=1)
+    i32 = lambda a, n: None if a is None else _pad_seq(jnp.asarray(a, jnp.int32), n)
+    pos, seg = i32(pos_BT, Tp), i32(seg_BT, Tp)
+    kpos = pos if kv_pos_BT is None else i32(kv_pos_BT, Sp)
+    kseg_src = seg if kv_seg_BT is None else i32(kv_seg_BT, Sp)
+    idx = jnp.broadcast_to(jnp.arange(Sp, dtype=jnp.int32), kpos.shape)
+    if kseg_src is None and Sp == S:
+        pos_s, perm = lax.sort((kpos, idx), num_keys=1)
         keys = (pos_s, None)
     else:
-        seg0 = jnp.zeros_like(pos) if kseg_src is None else kseg_src
-        kseg = jnp.where((jnp.arange(Tp) >= T)[None] | (seg0 < 0), _IMAX, seg0)
-        kseg_s, pos_s, perm = lax.sort((kseg, pos, jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32), pos.shape)),
-                                       num_keys=2)
+        seg0 = jnp.zeros_like(kpos) if kseg_src is None else kseg_src
+        kseg = jnp.where((jnp.arange(Sp) >= S)[None] | (seg0 < 0), _IMAX, seg0)
+        kseg_s, pos_s, perm = lax.sort((kseg, kpos, idx), num_keys=2)
         keys = (pos_s, kseg_s)
-    kx, vx = (jnp.take_along_axis(jnp.swapaxes(_pad_seq(a, Tp), 1, 2), perm[:, None, :, None], axis=2)
+    kx, vx = (jnp.take_along_axis(jnp.swapaxes(_pad_seq(a, Sp), 1, 2), perm[:, None, :, None], axis=2)
               for a in (k_BTKd, v_BTKd))
     qm = (pos, seg)
     return qx, qm, (kx, vx, *keys), RingStep(T, bool(is_causal), seg is not None,
-                                             _static(Tp, Tp, interpret, soft_cap))
+                                             _static(Tp, Sp, interpret, soft_cap))
 
 
 def _row_kernel_args(step: RingStep, kv, qm):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp._defaults import AUTO
-from jax_cp._layer import AttentionSharding, init_param, layer_forward, param_shapes, storage_specs
+from jax_cp._layer import AttentionSharding, init_param, kv_inputs, layer_forward, param_shapes, storage_specs
 from jax_cp._mesh import is_explicit, place
 from jax_cp._spec import AttentionSpec
 
@@ -21,7 +21,8 @@ class CPAttention(nn.Module):
     ``nn.get_partition_spec(variables)`` gives their layout, e.g. for
     ``jax.jit(model.init, out_shardings=...)``. ``record_max_logits=True`` sows the per-head
     maximum logit into the ``"intermediates"`` collection as ``max_logits``
-    (``model.apply(..., mutable=["intermediates"])``).
+    (``model.apply(..., mutable=["intermediates"])``). Called as flax's attention: ``model(x)``
+    self-attention, ``model(x, inputs_k, inputs_v)`` or ``model(x, inputs_kv=kv)`` cross attention.
     """
 
     num_heads: int
@@ -62,7 +63,8 @@ class CPAttention(nn.Module):
             record_max_logits=self.record_max_logits)
 
     @nn.compact
-    def __call__(self, x, *, positions=None, segment_ids=None, local_window_size=None):
+    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, positions=None, segment_ids=None,
+                 kv_positions=None, kv_segment_ids=None, local_window_size=None):
         spec = self.spec
         specs = storage_specs(spec, self.mesh, self.sharding)
         params = {}
@@ -70,8 +72,10 @@ class CPAttention(nn.Module):
             init = lambda key, shape, dtype, name=name: _born_placed(
                 init_param(name, shape, key, dtype, self.kernel_init), self.mesh, specs[name])
             params[name] = self.param(name, nn.with_partitioning(init, tuple(specs[name])), shape, self.param_dtype)
-        y = layer_forward(params, x, mesh=self.mesh, spec=spec, dtype=self.dtype, positions=positions,
-                          segment_ids=segment_ids, local_window_size=local_window_size)
+        y = layer_forward(params, inputs_q, mesh=self.mesh, spec=spec, dtype=self.dtype, positions=positions,
+                          segment_ids=segment_ids, local_window_size=local_window_size,
+                          kv_x=kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), kv_positions=kv_positions,
+                          kv_segment_ids=kv_segment_ids)
         if spec.record_max_logits:
             y, max_logits = y
             self.sow("intermediates", "max_logits", max_logits)

@@ -67,25 +67,28 @@ def _softmax_values(s_BHTS, mask, v, sinks):
 def dot_product_attention(
     query, key, value, *, is_causal=False, scale=None, layout="BSHD",
     positions=None, segment_ids=None, local_window_size=None, logits_soft_cap=None, sinks=None,
-    return_max_logits=False, return_residual=False,
+    return_max_logits=False, return_residual=False, kv_positions=None, kv_segment_ids=None,
 ):
     """The single-device twin of :func:`jax_cp.dot_product_attention`.
 
     Same arguments (without ``mesh``); ``positions``/``segment_ids`` are
-    ``[B, S]`` or ``[S]``; ``None`` positions mean ``arange(S)``.
+    ``[B, T]`` or ``[T]``; ``None`` positions mean ``arange(T)``. The keys' (``kv_*``, ``[B, S]``)
+    default to the queries' (cross attention: ``arange(S)``, segment ids given on both sides).
     """
     if layout == "BNSD":
         query, key, value = (jnp.swapaxes(a, 1, 2) for a in (query, key, value))
     elif layout != "BSHD":
         raise ValueError(f"layout={layout!r} must be 'BSHD' or 'BNSD'.")
-    B, S = query.shape[:2]
-    if positions is None:
-        positions = jnp.arange(S, dtype=jnp.int32)
-    positions = jnp.broadcast_to(positions, (B, S))
+    (B, T), S = query.shape[:2], key.shape[1]
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) if positions is None else positions, (B, T))
+    if kv_positions is None:
+        kv_positions = positions if S == T else jnp.arange(S, dtype=jnp.int32)
+    kv_positions = jnp.broadcast_to(kv_positions, (B, S))
     if segment_ids is not None:
-        segment_ids = jnp.broadcast_to(segment_ids, (B, S))
-    out = attend(query, key, value, q_positions=positions, kv_positions=positions,
-                 q_segment_ids=segment_ids, kv_segment_ids=segment_ids, is_causal=is_causal,
+        segment_ids = jnp.broadcast_to(segment_ids, (B, T))
+        kv_segment_ids = jnp.broadcast_to(segment_ids if kv_segment_ids is None else kv_segment_ids, (B, S))
+    out = attend(query, key, value, q_positions=positions, kv_positions=kv_positions,
+                 q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, is_causal=is_causal,
                  local_window_size=local_window_size, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
                  return_max_logits=return_max_logits, return_residual=return_residual)
     out, *extra = out if return_max_logits or return_residual else (out,)
@@ -95,26 +98,35 @@ def dot_product_attention(
 
 
 def attention_layer(params: dict, x_BSD, *, spec: AttentionSpec, dtype=None, positions=None,
-                      segment_ids=None, local_window_size=None, scale=None):
+                    segment_ids=None, local_window_size=None, scale=None, inputs_k=None, inputs_v=None,
+                    kv_positions=None, kv_segment_ids=None):
     """Single-device twin of ``jax_cp.CPAttention``'s forward (plain jnp, float32 attention);
-    ``(y, max_logits)`` with ``spec.record_max_logits``."""
+    ``(y, max_logits)`` with ``spec.record_max_logits``. Cross attention: keys from ``inputs_k``,
+    values from ``inputs_v`` (each defaulting to the one before), at ``kv_positions``
+    (``arange(S_kv)`` when None) with ``kv_segment_ids``."""
     B, S, _ = x_BSD.shape
     dtype = jnp.dtype(x_BSD.dtype if dtype is None else dtype)
     # Ground truth: every operation in float32 from the given values; only the result is cast.
     w = {k: v.astype(jnp.float32) for k, v in params.items()}
     x = x_BSD.astype(jnp.float32)
+    x_k = x if inputs_k is None else inputs_k.astype(jnp.float32)
+    x_v = x_k if inputs_v is None else inputs_v.astype(jnp.float32)
+    S_kv = x_k.shape[1]
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) if positions is None else positions, (B, S))
     seg = None if segment_ids is None else jnp.broadcast_to(segment_ids, (B, S))
+    kv_pos = (pos if S_kv == S else jnp.arange(S_kv, dtype=jnp.int32)) if kv_positions is None else kv_positions
+    kv_pos = jnp.broadcast_to(kv_pos, (B, S_kv))
+    kv_seg = seg if kv_segment_ids is None else jnp.broadcast_to(kv_segment_ids, (B, S_kv))
     q = jnp.einsum("bsd,dhe->bshe", x, w["q_kernel"])
-    k = jnp.einsum("bsd,dhe->bshe", x, w["k_kernel"])
-    v = jnp.einsum("bsd,dhe->bshe", x, w["v_kernel"])
+    k = jnp.einsum("bsd,dhe->bshe", x_k, w["k_kernel"])
+    v = jnp.einsum("bsd,dhe->bshe", x_v, w["v_kernel"])
     if spec.use_bias:
         q, k, v = q + w["q_bias"][None, None], k + w["k_bias"][None, None], v + w["v_bias"][None, None]
     if spec.use_qk_norm:
         q, k = rms_norm(q, w["q_norm"]), rms_norm(k, w["k_norm"])
     if spec.rope_theta is not None:
-        q, k = apply_rope(q, pos, spec.rope_theta), apply_rope(k, pos, spec.rope_theta)
-    o = attend(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
+        q, k = apply_rope(q, pos, spec.rope_theta), apply_rope(k, kv_pos, spec.rope_theta)
+    o = attend(q, k, v, q_positions=pos, kv_positions=kv_pos, q_segment_ids=seg, kv_segment_ids=kv_seg,
                is_causal=spec.is_causal, local_window_size=local_window_size, scale=scale,
                logits_soft_cap=spec.logits_soft_cap, sinks=w.get("sinks"), return_max_logits=spec.record_max_logits)
     o, *max_logits = o if spec.record_max_logits else (o,)
@@ -146,10 +158,13 @@ class Attention(nnx.Module):
         for name, shape in param_shapes(self.spec).items():
             setattr(self, name, nnx.Param(init_param(name, shape, rngs.params(), param_dtype, kernel_init)))
 
-    def __call__(self, x, *, positions=None, segment_ids=None, local_window_size=None):
+    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, positions=None, segment_ids=None,
+                 kv_positions=None, kv_segment_ids=None, local_window_size=None):
         params = {name: getattr(self, name)[...] for name in param_shapes(self.spec)}
-        y = attention_layer(params, x, spec=self.spec, dtype=self.dtype, positions=positions,
-                            segment_ids=segment_ids, local_window_size=local_window_size)
+        y = attention_layer(params, inputs_q, spec=self.spec, dtype=self.dtype, positions=positions,
+                            segment_ids=segment_ids, local_window_size=local_window_size,
+                            inputs_k=inputs_kv if inputs_k is None else inputs_k, inputs_v=inputs_v,
+                            kv_positions=kv_positions, kv_segment_ids=kv_segment_ids)
         if self.spec.record_max_logits:
             y, max_logits = y
             self.sow(nnx.Intermediate, "max_logits", max_logits)

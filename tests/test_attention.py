@@ -124,8 +124,11 @@ def test_shape_errors():
         _attn(mesh, q[..., 0], k, v)
     with pytest.raises(ValueError, match=r"key.shape=\(2, 32, 2, 8\) and value.shape=\(2, 16, 2, 8\) must match"):
         _attn(mesh, q, k, v[:, :16])
-    with pytest.raises(ValueError, match=r"key.shape=\(2, 16, 2, 8\) does not fit query.shape=\(2, 32, 8, 8\)"):
-        _attn(mesh, q, k[:, :16], v[:, :16])
+    with pytest.raises(ValueError, match=r"key.shape=\(2, 32, 2, 4\) does not fit query.shape=\(2, 32, 8, 8\): "
+                                         r"batch and head dim must match"):
+        _attn(mesh, q, k[..., :4], v)
+    with pytest.raises(ValueError, match=r"key.shape=\(1, 32, 2, 8\) does not fit"):
+        _attn(mesh, q, k[:1], v[:1])
     with pytest.raises(ValueError, match=r"dtypes float32/bfloat16/float32 must be equal"):
         _attn(mesh, q, k.astype(jnp.bfloat16), v)
     bad = jax.make_mesh((8,), ("x",))

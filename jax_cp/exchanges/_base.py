@@ -26,16 +26,23 @@ REGISTRY: list["KVExchange"] = []
 class Meta(NamedTuple):
     """Full-sequence mask metadata every device holds: ``[B, S]`` positions and segment ids (or None).
 
-    ``kv_seg``, when given, is the tokens' segment ids as keys (``seg`` then holds them as queries):
-    padding stated separately for queries and keys (``query_seq_lengths``/``key_value_seq_lengths``)."""
+    ``kv_seg``, when given, is the keys' segment ids (``seg`` then holds the queries'): padding
+    stated separately for queries and keys (``query_seq_lengths``/``key_value_seq_lengths``), or
+    cross attention. ``kv_pos``, when given, is the keys' positions ``[B, S_kv]`` (cross attention:
+    keys are other tokens than the queries, of their own length); ``None``: the queries' own."""
 
     pos: jax.Array
     seg: jax.Array | None = None
     kv_seg: jax.Array | None = None
+    kv_pos: jax.Array | None = None
 
     @property
     def keys_seg(self):
         return self.seg if self.kv_seg is None else self.kv_seg
+
+    @property
+    def keys_pos(self):
+        return self.pos if self.kv_pos is None else self.kv_pos
 
 
 def register(cls):
@@ -107,7 +114,7 @@ def attend_gathered(q_BTHd, kv_BS2Kd, meta: Meta, spec, sinks=None):
     k, v = _unpair_kv(kv_BS2Kd, q_BTHd.shape[-1])
     return _kernels.local_attention(
         q_BTHd, k, v, kernel=spec.kernel, q_positions=pos,
-        kv_positions=meta.pos, q_segment_ids=seg, kv_segment_ids=meta.keys_seg, is_causal=spec.is_causal,
+        kv_positions=meta.keys_pos, q_segment_ids=seg, kv_segment_ids=meta.keys_seg, is_causal=spec.is_causal,
         local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q, block_kv=spec.block_kv,
         logits_soft_cap=spec.logits_soft_cap, sinks=sinks, return_max_logits=spec.record_max_logits,
         return_residual=spec.return_residual,

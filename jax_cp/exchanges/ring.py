@@ -50,8 +50,14 @@ def _loop(attend, home, axis_name):
     return attend(carry, kv)  # the last chunk needs no onward shift
 
 
-def _forward(q, k, v, pos, seg, axis_name, spec, kv_seg=None):
-    qm = bw.Meta(pos, seg)  # the chunk's tokens as queries; as keys they travel with kv_seg (or seg)
+def _home(k, v, pos, seg, kv_seg, kv_pos):
+    """The chunk that travels: K, V and the keys' positions and segment ids (the chunk's own tokens
+    as keys: ``kv_pos``/``kv_seg`` where given, cross attention or key padding, else the queries')."""
+    return k, v, pos if kv_pos is None else kv_pos, seg if kv_seg is None else kv_seg
+
+
+def _forward(q, home, pos, seg, axis_name, spec):
+    qm = bw.Meta(pos, seg)  # the chunk's tokens as queries; as keys they travel in ``home``
 
     def attend(carry, kv):  # continues the running softmax: no second output buffer
         out = bw.forward(q, kv[0], kv[1], qm, bw.Meta(kv[2], kv[3]), spec, state=None if carry is None else carry[:2])
@@ -59,24 +65,24 @@ def _forward(q, k, v, pos, seg, axis_name, spec, kv_seg=None):
             out = (*out[:2], jnp.maximum(carry[2], out[2]))
         return out
 
-    return _loop(attend, (k, v, pos, seg if kv_seg is None else kv_seg), axis_name)
+    return _loop(attend, home, axis_name)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _ring(q, k, v, pos, seg, kv_seg, sinks, axis_name, spec):
-    return _ring_fwd(q, k, v, pos, seg, kv_seg, sinks, axis_name, spec)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _ring(q, k, v, pos, seg, kv_seg, kv_pos, sinks, axis_name, spec):
+    return _ring_fwd(q, k, v, pos, seg, kv_seg, kv_pos, sinks, axis_name, spec)[0]
 
 
-def _ring_fwd(q, k, v, pos, seg, kv_seg, sinks, axis_name, spec):
+def _ring_fwd(q, k, v, pos, seg, kv_seg, kv_pos, sinks, axis_name, spec):
     # The sinks join the softmax once, after the last chunk (not once per step or device).
-    o, lse, *row_max = _forward(q, k, v, pos, seg, axis_name, spec, kv_seg)
+    o, lse, *row_max = _forward(q, _home(k, v, pos, seg, kv_seg, kv_pos), pos, seg, axis_name, spec)
     o, lse = bw.fold_sinks(o, lse, sinks)
     o = o.astype(q.dtype)
-    return bw.outputs(spec, o, lse, row_max), (q, k, v, pos, seg, kv_seg, o, lse, sinks)
+    return bw.outputs(spec, o, lse, row_max), (q, k, v, pos, seg, kv_seg, kv_pos, o, lse, sinks)
 
 
 def _ring_bwd(axis_name, spec, res, do):
-    q, k, v, pos, seg, kv_seg, o, lse, sinks = res
+    q, k, v, pos, seg, kv_seg, kv_pos, o, lse, sinks = res
     do, delta = bw.output_cotangent(spec, do, o)
     c = lax.axis_size(axis_name)
     qm = bw.Meta(pos, seg)
@@ -84,12 +90,12 @@ def _ring_bwd(axis_name, spec, res, do):
     def grads(kv, dq=None):  # dq accumulates in place
         return bw.backward(q, kv[0], kv[1], do, lse, delta, qm, bw.Meta(kv[2], kv[3]), spec, dq=dq)
 
-    home = (k, v, pos, seg if kv_seg is None else kv_seg)
+    home = _home(k, v, pos, seg, kv_seg, kv_pos)
     if c == 1:
         dq, dk, dv = grads(home)
     else:
         dq, (dk, dv) = _backward_ring(grads, home, do, axis_name, c)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None,
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None,
             bw.sinks_grad(sinks, lse, delta))
 
 
@@ -171,14 +177,16 @@ _splash_ring.defvjp(_splash_ring_fwd, _splash_ring_bwd)
 
 
 def splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_name: str, is_causal=False,
-                          scale=None, logits_soft_cap=None, sinks=None, kv_seg_BT=None, interpret: bool = False):
+                          scale=None, logits_soft_cap=None, sinks=None, kv_seg_BT=None, kv_pos_BT=None,
+                          interpret: bool = False):
     """As :func:`ring_attention` (no window) with the splash kernel in every step.
 
     ``interpret=True`` runs the Pallas kernels in interpret mode (any backend; for tests)."""
     T = q_BTHd.shape[1]
     qx, qm, home, step = sp.ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, scale=scale,
                                          is_causal=is_causal, interpret=interpret,
-                                         soft_cap=bw.check_soft_cap(logits_soft_cap), kv_seg_BT=kv_seg_BT)
+                                         soft_cap=bw.check_soft_cap(logits_soft_cap), kv_seg_BT=kv_seg_BT,
+                                         kv_pos_BT=kv_pos_BT)
     sinks = bw.varying_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT)
     o = _splash_ring(qx, qm, home, sinks, axis_name, step)
     return jnp.swapaxes(o[:, :, :T], 1, 2)
@@ -187,7 +195,7 @@ def splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_n
 def ring_attention(
     q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_name: str, is_causal=False, local_window_size=None,
     scale=None, block_q: int | None = None, block_kv: int | None = None, logits_soft_cap=None, sinks=None,
-    return_max_logits: bool = False, return_residual: bool = False, kv_seg_BT=None,
+    return_max_logits: bool = False, return_residual: bool = False, kv_seg_BT=None, kv_pos_BT=None,
 ):
     """Attention of this device's chunk to every chunk on the ``axis_name`` ring (inside ``shard_map``).
 
@@ -198,14 +206,16 @@ def ring_attention(
     largest visible logit per head over every step (``-inf`` if none); ``return_residual=True``
     appends the merged log-sum-exp ``[B, T, H]`` (differentiable). ``kv_seg_BT``: the chunk's
     segment ids as keys, when they differ from ``seg_BT`` (its queries'; padding stated per side).
+    Cross attention: ``k, v [B, S, K, d]`` are the device's chunk of other tokens (any length ``S``)
+    at positions ``kv_pos_BT [B, S]`` (with ``kv_seg_BT`` when segments are given).
     """
     spec = bw.make_spec(q_BTHd.shape[-1], is_causal=is_causal, local_window_size=local_window_size,
                         scale=scale, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap,
                         return_max_logits=return_max_logits, return_residual=return_residual)
     pos = jnp.asarray(pos_BT, jnp.int32)
-    seg, kv_seg = (None if a is None else jnp.asarray(a, jnp.int32) for a in (seg_BT, kv_seg_BT))
+    seg, kv_seg, kv_pos = (None if a is None else jnp.asarray(a, jnp.int32) for a in (seg_BT, kv_seg_BT, kv_pos_BT))
     sinks = bw.varying_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos, seg)
-    return _ring(q_BTHd, k_BTKd, v_BTKd, pos, seg, kv_seg, sinks, axis_name, spec)
+    return _ring(q_BTHd, k_BTKd, v_BTKd, pos, seg, kv_seg, kv_pos, sinks, axis_name, spec)
 
 
 
@@ -241,14 +251,14 @@ class Ring(KVExchange):
 
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
         pos, seg = seq_chunk(meta.pos, (COLOSSAL,)), seq_chunk(meta.seg, (COLOSSAL,))
-        kv_seg = seq_chunk(meta.kv_seg, (COLOSSAL,))
+        kv_seg, kv_pos = seq_chunk(meta.kv_seg, (COLOSSAL,)), seq_chunk(meta.kv_pos, (COLOSSAL,))
         if self.kernel(spec, q_BTHd, seg is not None) == "splash":
             return splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL,
                                          is_causal=spec.is_causal, scale=spec.scale,
                                          logits_soft_cap=spec.logits_soft_cap, sinks=sinks, kv_seg_BT=kv_seg,
-                                         interpret=_kernels.target_platform() != "tpu")
+                                         kv_pos_BT=kv_pos, interpret=_kernels.target_platform() != "tpu")
         return ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL, is_causal=spec.is_causal,
                               local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q,
                               block_kv=spec.block_kv, logits_soft_cap=spec.logits_soft_cap, sinks=sinks,
                               return_max_logits=spec.record_max_logits, return_residual=spec.return_residual,
-                              kv_seg_BT=kv_seg)
+                              kv_seg_BT=kv_seg, kv_pos_BT=kv_pos)

@@ -143,7 +143,7 @@ def naive_layer(shape: LayerShape, mesh):
     S, B = shape.seq_len, shape.batch
 
     def apply(params, x):
-        meta, _ = placed_metadata(None, None, B, S, mesh)  # default positions, placed as the library does
+        meta, *_ = placed_metadata(None, None, B, S, mesh)  # default positions, placed as the library does
         return fn(params["qkv_kernel"], params["o_kernel"], x, *meta)
 
     params = {
