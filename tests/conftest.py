@@ -2,15 +2,17 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from util import CHILD_XLA_FLAGS  # noqa: E402
+from util import CHILD_XLA_FLAGS, cpu_only_xla_flags  # noqa: E402
 
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
-                                    CHILD_XLA_FLAGS]).strip()
+_FLAGS = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8", CHILD_XLA_FLAGS])
+os.environ["XLA_FLAGS"] = " ".join([_FLAGS, cpu_only_xla_flags()]).strip()
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.jit(lambda x: x + 1)(1)  # XLA:CPU reads XLA_FLAGS once, at its first compile: here
+os.environ["XLA_FLAGS"] = _FLAGS.strip()  # what libtpu reads later (TPU tests): no CPU-only flag
 
 import pytest  # noqa: E402
 

@@ -64,10 +64,11 @@ def test_every_exchange_with_keys_of_their_own_length(layout, kv_exchange, kerne
     assert_matches(f, ref, (q, k, v), ct, jnp.float32, f"{layout} {kv_exchange} {kernel} {mask}")
 
 
-def test_matches_jax_nn_in_bfloat16_with_fewer_keys_than_queries():
-    """``S < T`` (jax.nn's causal alignment: query i sees keys j <= i), bfloat16, GQA, hybrid x tp."""
+def test_matches_jax_nn_in_bfloat16_with_fewer_keys_than_queries_and_one_kv_head():
+    """``S < T`` (jax.nn's causal alignment: query i sees keys j <= i), bfloat16, MQA, hybrid x tp."""
     mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
     q, k, v, ct = _qkv(jnp.bfloat16, seed=3, T=32, S=16)
+    k, v = k[:, :, :1], v[:, :, :1]  # one kv head for all 8 query heads
     f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, kv_exchange="ring")
     ref = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
     assert_matches(f, ref, (q, k, v), ct, jnp.bfloat16, "bf16 S<T")

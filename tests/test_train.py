@@ -51,7 +51,7 @@ def corpus(tmp_path_factory) -> Path:
 def cache_env(tmp_path_factory) -> dict:
     base = tmp_path_factory.getbasetemp()
     cache = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # one cache for all xdist workers
-    return child_env(PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=str(cache / "jax_cache_train"),
+    return child_env(cpu_only=True, PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=str(cache / "jax_cache_train"),
                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
@@ -342,7 +342,7 @@ def test_flags_that_need_the_devices(argv, message, capsys):
 def test_cli_degrees_not_matching_devices():
     """The real command line: a wrong mesh for --devices exits 2 with one line, no traceback."""
     res = subprocess.run(_cli("--devices", "4", *HYBRID), cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env=child_env())
+                         env=child_env(cpu_only=True))
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
         "python -m models.train: error: cp_colossal*cp_ulysses*tp=8 does not divide the 4 devices; "
