@@ -62,9 +62,13 @@ class AttentionSpec:
     use_sinks: bool = False
     record_max_logits: bool = False
     return_residual: bool = False
+    # The fields __post_init__ filled in from others (e.g. head_dim from in_features): ``replace``
+    # derives them again, so a new in_features or num_heads does not keep a stale head dim.
+    derived: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         set_ = partial_setattr(self)
+        set_("derived", tuple(n for n in _DERIVED if getattr(self, n) is None))
         check_positive_int("num_heads", self.num_heads)
         if self.head_dim is None:
             if self.in_features is None:
@@ -122,8 +126,9 @@ class AttentionSpec:
                              f"{ex.no_fuse_reason}. Use kv_exchange={others}, or fused_qkv_chunks=0.")
 
     def replace(self, **changes) -> "AttentionSpec":
-        """A copy with ``changes``, validated again."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``, validated again; fields that were derived are derived again."""
+        again = {name: None for name in self.derived if name not in changes}
+        return dataclasses.replace(self, **again, **changes)
 
     def resolve(self, mesh, *, batch: int | None = None, seq_len: int | None = None,
                 itemsize: int = 2) -> tuple["AttentionSpec", Choice | None]:
@@ -148,6 +153,8 @@ class AttentionSpec:
                 ex = _exchanges.DEFAULT
         n = c.overlap_chunks if self.overlap_chunks == AUTO else self.overlap_chunks
         f = self.fused_qkv_chunks
+        if self.overlap_chunks == AUTO and f != AUTO and f > n:  # explicit fused chunks: at least as many chunks
+            n = f
         if f == AUTO:
             f = min(c.fused_qkv_chunks, n) if ex.fuses_qkv else 0
         return self.replace(kv_exchange=ex, overlap_chunks=n, fused_qkv_chunks=f), c
@@ -184,6 +191,9 @@ def _runs(exchange, kernel: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+_DERIVED = ("head_dim", "num_kv_heads", "v_head_dim", "out_features")  # None: from the other fields
 
 
 def partial_setattr(obj):

@@ -75,6 +75,8 @@ class TrainConfig:
     overlap_chunks: int | str = "auto"
     fused_qkv_chunks: int | str = "auto"
     load_balance: bool = True
+    logits_soft_cap: float | None = None  # every attention layer: logits -> c * tanh(logits / c)
+    use_sinks: bool = False  # every attention layer: a learned sink logit per query head
     remat: bool = False
     data: str | None = None
     checkpoint_dir: str | None = None
@@ -110,6 +112,8 @@ class TrainConfig:
             raise ValueError(f"--warmup={self.warmup} must be smaller than --steps={self.steps}.")
         if not self.lr > 0:
             raise ValueError(f"--lr={self.lr} must be > 0.")
+        if self.logits_soft_cap is not None and not self.logits_soft_cap > 0:
+            raise ValueError(f"--logits-soft-cap={self.logits_soft_cap} must be > 0 (or left out: no cap).")
         if self.model not in CONFIGS:
             raise ValueError(f"--model={self.model!r} is unknown; choose one of {sorted(CONFIGS)}.")
         cp = self.cp_colossal * self.cp_ulysses
@@ -169,6 +173,9 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-balance", dest="load_balance", action="store_false",
                    help="keep the natural sequence order (causal load balancing is on by default)")
     g.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
+    g.add_argument("--logits-soft-cap", type=float, default=d.logits_soft_cap,
+                   help="cap every attention logit to c*tanh(logits/c) (Gemma 2 style)")
+    g.add_argument("--use-sinks", action="store_true", help="a learned sink logit per query head (GPT-OSS style)")
     g = p.add_argument_group("data, checkpoints, logs")
     g.add_argument("--data", help="text file or folder (default: this Python's standard library)")
     g.add_argument("--seed", type=int, default=d.seed)
@@ -256,7 +263,7 @@ def setup(cfg: TrainConfig, devices=None) -> Setup:
         raise ValueError(f"--model={cfg.model!r} does not fit a CPU; train --model tiny here (the large configs "
                          "are for accelerators and for planning: models.llama.abstract_model).")
     _check_batch(cfg, dims.dp)
-    abstract_model(get_config(cfg.model), mesh, **_model_kwargs(cfg))  # head/kernel/exchange checks, no memory
+    abstract_model(model_config(cfg), mesh, **_model_kwargs(cfg))  # head/kernel/exchange checks, no memory
     if jax.process_count() > 1:
         _check_same_flags(cfg)
     saved = _saved_steps(cfg.ckpt_dir)
@@ -288,6 +295,13 @@ def _check_same_flags(cfg: TrainConfig) -> None:
     except AssertionError:
         raise ValueError("the processes were started with different flags; all but --process-id must match "
                          "(--out and --checkpoint-dir included: checkpoints need one shared directory).") from None
+
+
+def model_config(cfg: TrainConfig):
+    """The ``LlamaConfig`` of ``--model`` with the run's attention options (soft cap, sinks)."""
+    base = get_config(cfg.model)
+    cap = base.logits_soft_cap if cfg.logits_soft_cap is None else cfg.logits_soft_cap
+    return dataclasses.replace(base, logits_soft_cap=cap, use_sinks=base.use_sinks or cfg.use_sinks)
 
 
 def _model_kwargs(cfg: TrainConfig) -> dict:
@@ -371,7 +385,7 @@ def _log(fh, record: dict) -> None:
 def _init_fn(cfg: TrainConfig, mesh, tx):
     """``() -> (model, optimizer)``: the parameters and AdamW state, sharded on ``mesh``."""
     def init():
-        model = Llama(get_config(cfg.model), mesh=mesh, rngs=nnx.Rngs(cfg.seed), **_model_kwargs(cfg))
+        model = Llama(model_config(cfg), mesh=mesh, rngs=nnx.Rngs(cfg.seed), **_model_kwargs(cfg))
         return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
     return init
 

@@ -138,6 +138,22 @@ def test_shape_errors():
         _attn(None, q, k, v)
 
 
+def test_spec_replace_derives_the_derived_fields_again():
+    """A new in_features or num_heads re-derives head_dim, v_head_dim, out_features and num_kv_heads
+    where they were derived; given ones stay."""
+    spec = jax_cp.AttentionSpec(num_heads=4, in_features=32)
+    assert (spec.head_dim, spec.v_head_dim, spec.out_features, spec.num_kv_heads) == (8, 8, 32, 4)
+    wider = spec.replace(in_features=64)
+    assert (wider.head_dim, wider.v_head_dim, wider.out_features, wider.num_kv_heads) == (16, 16, 64, 4)
+    assert wider == jax_cp.AttentionSpec(num_heads=4, in_features=64)
+    more = spec.replace(num_heads=8)
+    assert (more.head_dim, more.num_kv_heads) == (4, 8)
+    pinned = jax_cp.AttentionSpec(num_heads=4, in_features=32, head_dim=16, v_head_dim=8, out_features=24)
+    kept = pinned.replace(in_features=64)
+    assert (kept.head_dim, kept.v_head_dim, kept.out_features) == (16, 8, 24)
+    assert spec.replace(head_dim=16).v_head_dim == 16  # v_head_dim follows the head dim it came from
+
+
 def test_make_mesh_errors():
     with pytest.raises(ValueError, match=r"dp\*cp_colossal\*cp_ulysses\*tp=2\*2\*2\*1=8 does not match the 4 devices"):
         jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, dp=2, devices=jax.devices()[:4])

@@ -88,6 +88,9 @@ def test_module_defaults_are_auto_and_resolve_on_the_cpu():
     assert (attn.spec.kv_exchange, attn.spec.overlap_chunks, attn.spec.fused_qkv_chunks) == ("auto",) * 3
     spec, why = attn.resolved(batch=2, seq_len=64)
     assert (spec.kv_exchange, spec.overlap_chunks, spec.fused_qkv_chunks) == (AG, 1, 0) and "cpu" in why.why
+    fused = jax_cp.CPAttention(8, 32, mesh=mesh, fused_qkv_chunks=2, rngs=nnx.Rngs(0))  # the rule says 1 chunk
+    spec, _ = fused.resolved(batch=2, seq_len=64)
+    assert (spec.overlap_chunks, spec.fused_qkv_chunks) == (2, 2)  # auto chunks make room for explicit fusing
     pinned = jax_cp.CPAttention(8, 32, mesh=mesh, overlap_chunks=2, kv_exchange="ring", rngs=nnx.Rngs(0))
     spec, _ = pinned.resolved(batch=2, seq_len=64)
     assert (spec.kv_exchange, spec.overlap_chunks, spec.fused_qkv_chunks) == (RING, 2, 0)

@@ -310,6 +310,7 @@ def test_a_dead_process_fails_the_other(corpus, cache_env, tmp_path):
     (["--plan", "v5e:2x4", "--devices", "8"], r"--plan v5e:2x4 compiles one step for the topology's own devices "
                                               r"in this one process and trains nothing; drop --devices, --resume"),
     (["--plan", "v5e:2x4", "--resume"], r"--plan v5e:2x4 compiles one step .* drop --devices, --resume"),
+    (["--logits-soft-cap", "0"], r"--logits-soft-cap=0.0 must be > 0 \(or left out: no cap\)"),
 ])
 def test_bad_flags_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -318,6 +319,16 @@ def test_bad_flags_one_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("python -m models.train: error: "), err
     assert re.search(message, err), err
+
+
+def test_attention_flags_reach_every_layer():
+    """--logits-soft-cap and --use-sinks set the model's attention (every layer's spec); unset, the
+    model's own configuration stands."""
+    cfg = train.parse_args(["--logits-soft-cap", "30", "--use-sinks"])
+    spec = train.model_config(cfg).attention
+    assert (cfg.logits_soft_cap, cfg.use_sinks, spec.logits_soft_cap, spec.use_sinks) == (30.0, True, 30.0, True)
+    plain = train.model_config(train.parse_args([])).attention
+    assert (plain.logits_soft_cap, plain.use_sinks) == (None, False)
 
 
 @needs_devices(8)
