@@ -95,9 +95,13 @@ CPU_TILE_BYTES = 16 * 2**20
 OTHER_BLOCKS = (512, 512)
 
 
-def auto_blocks(batch: int, heads: int, platform: str | None = None) -> tuple[int, int]:
+def auto_blocks(batch: int, heads: int, platform: str | None = None, *, q_len: int | None = None,
+                masked: bool = False) -> tuple[int, int]:
     """``(block_q, block_kv)`` for ``batch x heads`` local score tiles on ``platform`` (default: the
-    platform being compiled for)."""
+    platform being compiled for). On CPU, a ``masked`` (causal or windowed) call's query blocks are
+    at most half its ``q_len`` queries: a load-balanced chunk is two runs of positions, which one
+    block spanning both would never let a key block skip (ring, 8 heads, 8K causal load-balanced,
+    fwd+bwd: 4.6 s at 1024-row blocks, 3.0 s at 512; without load balancing 4.4 and 3.0 s)."""
     if platform is None:
         from jax_cp.kernels import target_platform  # kernels imports this module
 
@@ -105,7 +109,7 @@ def auto_blocks(batch: int, heads: int, platform: str | None = None) -> tuple[in
     if platform != "cpu":
         return OTHER_BLOCKS
     bq, bk = CPU_BLOCKS
-    while bq > 128 and batch * heads * bq * bk * 4 > CPU_TILE_BYTES:
+    while bq > 128 and (batch * heads * bq * bk * 4 > CPU_TILE_BYTES or masked and q_len and bq > q_len // 2):
         bq //= 2
     return bq, bk
 
@@ -116,7 +120,7 @@ def _padded_blocks(spec: Spec, q_BTHd, k_BSKd) -> tuple[int, int, int, int]:
     (B, T, H), S = q_BTHd.shape[:3], k_BSKd.shape[1]
     block_q, block_kv = spec.block_q, spec.block_kv
     if block_q is None or block_kv is None:
-        auto_q, auto_kv = auto_blocks(B, H)
+        auto_q, auto_kv = auto_blocks(B, H, q_len=T, masked=spec.is_causal or spec.window is not None)
         block_q, block_kv = block_q or auto_q, block_kv or auto_kv
     return (*_blocks(T, block_q), *_blocks(S, block_kv))
 

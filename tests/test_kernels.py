@@ -72,6 +72,12 @@ def test_auto_blocks_follow_the_platform_and_cap_the_tile():
     assert kernels.auto_blocks(4, 32, "cpu") == (128, 512)  # never below 128 rows
     assert kernels.auto_blocks(1, 8, "tpu") == kernels.auto_blocks(1, 8, "gpu") == (512, 512)
     assert kernels.auto_blocks(1, 1) == (1024, 512)  # this test runs on the CPU devices
+    # masked: query blocks of at most half the chunk (the two runs of a load-balanced chunk apart)
+    assert kernels.auto_blocks(1, 8, "cpu", q_len=1024, masked=True) == (512, 512)
+    assert kernels.auto_blocks(1, 1, "cpu", q_len=8192, masked=True) == (1024, 512)
+    assert kernels.auto_blocks(1, 1, "cpu", q_len=1024, masked=False) == (1024, 512)
+    assert kernels.auto_blocks(1, 1, "cpu", q_len=64, masked=True) == (128, 512)  # never below 128 rows
+    assert kernels.auto_blocks(1, 8, "tpu", q_len=256, masked=True) == (512, 512)  # the TPU tables' blocks
 
 
 def _score_tiles(f, *args) -> set[str]:
