@@ -167,10 +167,9 @@ def _length_padding(pos, seg, kv_seg, kv_pos, q_lengths, kv_lengths, batch: int,
         return pos, seg, kv_seg, kv_pos
     pos = jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32), (batch, q_len)) if pos is None else pos
     keys_pos = pos if kv_pos is None else kv_pos
+    seg = jnp.zeros((batch, q_len), jnp.int32) if seg is None else seg
     if kv_seg is None:  # the keys' documents are the queries' (self-attention), or one (cross attention)
         kv_seg = seg if keys_pos.shape[1] == q_len else jnp.zeros(keys_pos.shape, jnp.int32)
-    seg = jnp.zeros((batch, q_len), jnp.int32) if seg is None else seg
-    kv_seg = seg if kv_seg is None else kv_seg
     sides = []
     for name, lengths, p, s in (("query_seq_lengths", q_lengths, pos, seg),
                                 ("key_value_seq_lengths", kv_lengths, keys_pos, kv_seg)):
