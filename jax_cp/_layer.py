@@ -22,8 +22,8 @@ from jax_cp._mesh import CP, DP, TP, mesh_dims, place
 from jax_cp._projection import LinearProjections
 from jax_cp._spec import AttentionSpec, Layout, check_seq_batch
 
-__all__ = ["AttentionSharding", "init_param", "kv_inputs", "layer_forward", "param_shapes", "param_specs",
-           "storage_specs"]
+__all__ = ["AttentionSharding", "LayerCall", "compute_specs", "init_param", "kv_inputs", "layer_call", "layer_forward",
+           "param_shapes", "param_specs", "storage_specs"]
 
 X_SPEC = P(DP, CP, None)
 PARAMS = ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm",
@@ -146,12 +146,26 @@ def _cross_spec(spec: AttentionSpec, cross: bool) -> AttentionSpec:
     return spec.replace(fused_qkv_chunks=0)
 
 
-def layer_forward(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None, positions=None,
-                  segment_ids=None, local_window_size=None, scale=None, kv_x: tuple = (), kv_positions=None,
-                  kv_segment_ids=None):
-    """Applies the layer to a global ``x [B, S, D]``; returns ``y [B, S, out_features]`` sharded like x (and
-    ``max_logits [H]`` with ``spec.record_max_logits``). Cross attention: ``kv_x`` (``kv_inputs``'),
-    ``[B, S_kv, D]`` each, at ``kv_positions`` with ``kv_segment_ids`` (``metadata_sides``)."""
+@dataclasses.dataclass
+class LayerCall:
+    """One call of the layer, prepared: the resolved spec and layout, the ``shard_map`` arguments
+    (parameters, inputs, metadata) with their in_specs, the output specs and ``_layer_shard``'s settings."""
+
+    mesh: object
+    spec: AttentionSpec
+    layout: Layout
+    batch: int
+    seq_len: int
+    args: list
+    in_specs: list
+    out_specs: object
+    kwargs: dict
+
+
+def layer_call(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None, positions=None, segment_ids=None,
+               local_window_size=None, scale=None, kv_x: tuple = (), kv_positions=None,
+               kv_segment_ids=None) -> LayerCall:
+    """Checks a call's inputs and prepares it (``layer_forward``'s arguments)."""
     _check_input("x", x_BSD, spec.in_features)
     B, S, _ = x_BSD.shape
     for name, a in zip(("inputs_k", "inputs_v"), kv_x):
@@ -172,6 +186,21 @@ def layer_forward(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None,
     params = {k: place(params[k], mesh, specs[k]) for k in specs}
     args = [params, place(x_BSD, mesh, X_SPEC), *(place(a, mesh, X_SPEC) for a in kv_x)] + meta
     in_specs = [specs, X_SPEC] + [X_SPEC] * len(kv_x) + meta_specs
-    fn = partial(_layer_shard, spec=spec, layout=layout, dtype=dtype, fields=fields, n_kv=len(kv_x))
     out_specs = (X_SPEC, P(TP)) if spec.record_max_logits else X_SPEC
-    return shard_call(fn, mesh, tuple(in_specs), out_specs, args)
+    return LayerCall(mesh, spec, layout, B, S, args, in_specs, out_specs,
+                     dict(spec=spec, layout=layout, dtype=dtype, fields=fields))
+
+
+def layer_forward(params: dict, x_BSD, *, mesh, **kw):
+    """Applies the layer to a global ``x [B, S, D]``; returns ``y [B, S, out_features]`` sharded like x (and
+    ``max_logits [H]`` with ``spec.record_max_logits``). Cross attention: ``kv_x`` (``kv_inputs``'),
+    ``[B, S_kv, D]`` each, at ``kv_positions`` with ``kv_segment_ids`` (``metadata_sides``).
+    Keywords: ``layer_call``'s."""
+    call = layer_call(params, x_BSD, mesh=mesh, **kw)
+    fn = partial(_layer_shard, **call.kwargs, n_kv=len(kw.get("kv_x", ())))
+    return shard_call(fn, mesh, tuple(call.in_specs), call.out_specs, call.args)
+
+
+def compute_specs(spec: AttentionSpec, mesh) -> dict[str, P]:
+    """The compute layout of the layer's parameters on ``mesh`` (by name)."""
+    return _compute_specs(spec, spec.layout(mesh_dims(mesh)))

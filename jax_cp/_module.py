@@ -4,8 +4,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_cp import _decode
 from jax_cp._defaults import AUTO, Choice
-from jax_cp._layer import AttentionSharding, init_param, kv_inputs, layer_forward, param_shapes, storage_specs
+from jax_cp._layer import (AttentionSharding, compute_specs, init_param, kv_inputs, layer_call, layer_forward,
+                           param_shapes, storage_specs)
 from jax_cp._mesh import place
 from jax_cp._spec import AttentionSpec
 
@@ -54,14 +56,14 @@ class CPAttention(nnx.Module):
                  kernel: str = "auto", kv_exchange=AUTO, fused_qkv_chunks: int | str = AUTO,
                  sharding: AttentionSharding | None = None, block_q: int | None = None,
                  block_kv: int | None = None, logits_soft_cap: float | None = None, use_sinks: bool = False,
-                 record_max_logits: bool = False, rngs: nnx.Rngs):
+                 record_max_logits: bool = False, decode: bool = False, rngs: nnx.Rngs):
         self.spec = AttentionSpec(
             num_heads=num_heads, in_features=in_features, num_kv_heads=num_kv_heads, head_dim=head_dim,
             out_features=out_features, v_head_dim=v_head_dim, is_causal=is_causal, use_qk_norm=use_qk_norm, rope_theta=rope_theta, use_bias=use_bias,
             overlap_chunks=AUTO if overlap_chunks is None else overlap_chunks, kernel=kernel,
             kv_exchange=kv_exchange, fused_qkv_chunks=fused_qkv_chunks, block_q=block_q, block_kv=block_kv,
             logits_soft_cap=logits_soft_cap, use_sinks=use_sinks, record_max_logits=record_max_logits)
-        self.mesh, self.dtype = mesh, dtype
+        self.mesh, self.dtype, self.decode = mesh, dtype, decode
         specs = storage_specs(self.spec, mesh, sharding)
         for name, shape in param_shapes(self.spec).items():
             value = place(init_param(name, shape, rngs.params(), param_dtype, kernel_init), mesh, specs[name])
@@ -72,12 +74,40 @@ class CPAttention(nnx.Module):
         itemsize = jnp.dtype(self.dtype or jnp.float32).itemsize
         return self.spec.resolve(self.mesh, batch=batch, seq_len=seq_len, itemsize=itemsize)
 
+    def init_cache(self, input_shape, dtype=None):
+        """Creates the KV cache for ``decode=True`` calls, already sharded (``jax_cp._decode``): ``input_shape``
+        is ``(batch_size, max_length)`` or flax's ``(batch_size, max_length, in_features)``; ``dtype``
+        defaults to the layer's (float32 when None). Variables (``nnx.Cache``): ``cached_key [B, L, Kc, d]``,
+        ``cached_value``, ``cached_positions [B, L]``, ``cache_index [B]`` (each sequence's length so far)
+        and ``cache_slots`` (slots written), split over the CP axes along L and over tp by kv heads."""
+        batch, max_length = tuple(input_shape)[:2]
+        dtype = jnp.dtype(dtype or self.dtype or jnp.float32)
+        for name, value in _decode.init_cache(self.spec, self.mesh, batch, max_length, dtype).items():
+            setattr(self, name, nnx.Cache(value))
+
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, positions=None, segment_ids=None,
-                 kv_positions=None, kv_segment_ids=None, local_window_size=None):
+                 kv_positions=None, kv_segment_ids=None, local_window_size=None, decode: bool | None = None,
+                 prefill: bool = False, lengths=None):
         """Self-attention over ``inputs_q [B, S, D]``, or cross attention (flax's arguments): keys from
         ``inputs_k`` and values from ``inputs_v`` (``[B, S_kv, D]``; each defaults to the one before;
-        ``inputs_kv`` gives one input for both), at ``kv_positions`` with ``kv_segment_ids``."""
+        ``inputs_kv`` gives one input for both), at ``kv_positions`` with ``kv_segment_ids``.
+
+        Inference (after ``init_cache``): ``prefill=True`` runs a prompt ``[B, S, D]`` (sharded like
+        training inputs, at ``positions``; ``lengths [B]``: real tokens per prompt, the rest padding)
+        and writes its K/V into the cache; ``decode=True`` (or the module's ``decode``) attends
+        ``T`` new tokens per sequence ``[B, T, D]`` to the cache at positions ``cache_index + t``.
+        """
         params = {name: getattr(self, name)[...] for name in param_shapes(self.spec)}
+        decode = self.decode if decode is None else decode
+        if prefill or decode:
+            _check_inference(self.spec, inputs_q, kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), prefill)
+            cache = {name: getattr(self, name, None) for name in _decode.CACHE_FIELDS}
+            y, cache = _infer(params, inputs_q, {k: None if v is None else v[...] for k, v in cache.items()},
+                              mesh=self.mesh, spec=self.spec, dtype=self.dtype, prefill=prefill, positions=positions,
+                              lengths=lengths, local_window_size=local_window_size)
+            for name, value in cache.items():
+                getattr(self, name)[...] = value
+            return y
         y = layer_forward(params, inputs_q, mesh=self.mesh, spec=self.spec, dtype=self.dtype, positions=positions,
                           segment_ids=segment_ids, local_window_size=local_window_size,
                           kv_x=kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), kv_positions=kv_positions,
@@ -86,3 +116,37 @@ class CPAttention(nnx.Module):
             y, max_logits = y
             self.sow(nnx.Intermediate, "max_logits", max_logits)
         return y
+
+
+def _check_inference(spec: AttentionSpec, x, kv_x: tuple, prefill: bool):
+    """What prefill and decode serve: causal self-attention (the cache holds the layer's own tokens)."""
+    mode = "prefill=True" if prefill else "decode=True"
+    if kv_x:
+        raise ValueError(f"{mode} caches the layer's own keys (self-attention); cross attention (inputs_k/inputs_v/"
+                         "inputs_kv) has no decode path: run it without decode.")
+    if not spec.is_causal:
+        raise ValueError(f"{mode} needs is_causal=True (autoregressive decoding); this layer has is_causal=False.")
+    if spec.record_max_logits:
+        raise ValueError(f"{mode} does not record max logits (a training statistic); build the inference model "
+                         "with record_max_logits=False.")
+
+
+def _infer(params, x, cache, *, mesh, spec, dtype, prefill, positions, lengths, local_window_size):
+    """``prefill`` or one decode step (``jax_cp._decode``); shared by the NNX and Linen modules."""
+    if prefill:
+        call = layer_call(params, x, mesh=mesh, spec=spec, dtype=dtype, positions=positions,
+                          local_window_size=local_window_size)
+        return _decode.prefill(call, cache, lengths)
+    if positions is not None or lengths is not None:
+        raise ValueError("decode steps take their positions from the cache (cache_index); pass positions/lengths "
+                         "to the prefill call (prefill=True) only.")
+    _check_decode_input(x, spec.in_features)
+    spec = spec.replace(local_window_size=local_window_size)
+    return _decode.decode_step(params, x, cache, mesh=mesh, spec=spec, dtype=jnp.dtype(dtype or x.dtype),
+                               param_specs=compute_specs(spec, mesh))
+
+
+def _check_decode_input(x, in_features: int):
+    if getattr(x, "ndim", None) != 3 or x.shape[-1] != in_features:
+        raise ValueError(f"a decode step's input has shape={getattr(x, 'shape', None)}; it must be (batch, "
+                         f"new_tokens, in_features={in_features}).")

@@ -1,0 +1,259 @@
+"""Inference: CP prefill into a KV cache sharded along the sequence, and decode steps that read it.
+
+The cache of one layer (``init_cache``): ``cached_key [B, L, Kc, d]``, ``cached_value [B, L, Kc, dv]``,
+``cached_positions [B, L]`` (each slot's token position; ``EMPTY`` where none), ``cache_index [B]``
+(each sequence's next position: its length so far) and ``cache_slots []`` (slots written). K/V and
+positions are sharded ``P(dp, (cp_colossal, cp_ulysses), tp)``: a device holds ``L / (c*u)`` slots
+of its tp rank's ``Kc / t`` kv heads (``Kc = lcm(num_kv_heads, tp)``: the kv heads, repeated only
+when tp exceeds them, so a rank holds the heads its query heads read).
+
+Ownership: global slot ``g`` lives on CP rank ``g % n`` (``n = c*u``) at local slot ``g // n``.
+``prefill`` writes each device's own prompt tokens (the training layout, load-balanced or not) into
+its first ``S / n`` slots, so the prompt costs no extra communication and is spread evenly; decode
+tokens then go round-robin, token ``g`` to rank ``g % n``, so every device keeps ``1/n`` of the
+sequence however long decoding runs. Because each slot stores its token's position, the masks
+(causal, window, padding) need no layout rule.
+
+A decode step (``decode_step``): the new tokens ``x [B, T, D]`` are replicated over the CP axes;
+every device projects them (its tp heads), the owner writes the new K/V into its slot, every device
+attends its cache shard (the blockwise kernel with the log-sum-exp; empty and padded slots cost no
+block work), and a ``pmax`` of the log-sum-exps and one ``psum`` of the rescaled partial outputs over
+the CP axes merges them (both ``[B, T, H]``-sized); then the output projection and the tp psum. The cache is updated in place (``dynamic_update_slice``),
+so a jitted step with the cache donated holds it once.
+Letters: B batch, S prompt, T new tokens, L cache length, D model width, H heads, K kv heads, d head dim.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_cp import kernels as _kernels
+from jax_cp._blockwise import fold_sinks
+from jax_cp._body import attention_shard, shard_call, shard_meta
+from jax_cp._mesh import CP, DP, TP, mesh_dims, place, seq_chunk
+from jax_cp._projection import LinearProjections, _local_kv, _per_token, _proj, _varying
+from jax_cp._spec import Layout, lcm
+
+__all__ = ["CACHE_FIELDS", "EMPTY", "CacheLayout", "cache_layout", "decode_step", "init_cache", "prefill"]
+
+EMPTY = 2**30  # the position of an empty slot: after every query, so causality hides it
+CACHE_FIELDS = ("cached_key", "cached_value", "cached_positions", "cache_index", "cache_slots")
+X_DECODE = P(DP, None, None)  # a decode step's [B, T, D]: replicated over the CP axes and tp
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """How one layer's cache lands on a mesh: ``heads`` (Kc, global kv heads stored) and ``step``, the
+    stride from the layer's expanded kv heads (``Layout.kv_expanded``) to the stored ones."""
+
+    heads: int
+    step: int
+    kv_sharded: bool
+
+    def specs(self) -> dict[str, P]:
+        kv = P(DP, CP, TP, None)
+        return {"cached_key": kv, "cached_value": kv, "cached_positions": P(DP, CP), "cache_index": P(DP),
+                "cache_slots": P()}
+
+    def write_prefill(self, kv_seen, pos_BS, ck, cv, cpos, lengths_B):
+        """Inside ``shard_map``: this device's prompt K/V (seq layout, expanded heads, per chunk) into its
+        first slots; positions at or past a sequence's length are padding and stored ``EMPTY``."""
+        k, v = (jnp.concatenate([kv[j] for kv in kv_seen], axis=2)[:, :, ::self.step] for j in (0, 1))
+        pos = seq_chunk(pos_BS, CP)
+        pos = jnp.where(pos < lengths_B[:, None], pos, EMPTY)
+        put = lambda buf, new: lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), 0, axis=1)
+        return put(ck, k), put(cv, v), put(jnp.full_like(cpos, EMPTY), pos)
+
+
+def cache_layout(spec, mesh) -> CacheLayout:
+    dims = mesh_dims(mesh)
+    layout = spec.layout(dims)
+    heads = lcm(spec.num_kv_heads, dims.t)
+    return CacheLayout(heads=heads, step=layout.kv_expanded // heads, kv_sharded=layout.kv_sharded)
+
+
+def init_cache(spec, mesh, batch: int, max_length: int, dtype) -> dict[str, jax.Array]:
+    """One layer's empty cache (``CACHE_FIELDS``), created already sharded."""
+    dims = mesh_dims(mesh)
+    for name, value in (("batch", batch), ("max_length", max_length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int.")
+    if max_length % dims.cp:
+        raise ValueError(f"max_length={max_length} is not divisible by cp_colossal*cp_ulysses={dims.cp}; the cache "
+                         f"is split evenly over them: use a multiple, e.g. {-(-max_length // dims.cp) * dims.cp}.")
+    if batch % dims.dp:
+        raise ValueError(f"batch={batch} is not divisible by dp={dims.dp}; use a batch that is a multiple of dp.")
+    cl = cache_layout(spec, mesh)
+    specs = cl.specs()
+    shapes = {"cached_key": ((batch, max_length, cl.heads, spec.head_dim), dtype, 0),
+              "cached_value": ((batch, max_length, cl.heads, spec.v_head_dim), dtype, 0),
+              "cached_positions": ((batch, max_length), jnp.int32, EMPTY),
+              "cache_index": ((batch,), jnp.int32, 0), "cache_slots": ((), jnp.int32, 0)}
+    return {name: jax.jit(partial(jnp.full, shape, fill, dtype), out_shardings=NamedSharding(mesh, specs[name]))()
+            for name, (shape, dtype, fill) in shapes.items()}
+
+
+def check_cache(cache: dict, spec, batch: int) -> int:
+    """The cache's length ``L``; ``ValueError`` when it is missing or made for another batch."""
+    if cache is None or any(cache.get(name) is None for name in CACHE_FIELDS):
+        raise ValueError("decode needs a cache: call init_cache(batch_size, max_length) on the module first "
+                         "(Linen: init with decode=True on a [batch, max_length, D] input).")
+    B, L = cache["cached_positions"].shape
+    if B != batch:
+        raise ValueError(f"the input's batch={batch} does not match the cache's batch={B}; init_cache again with "
+                         f"batch_size={batch}, or pass {B} sequences.")
+    return L
+
+
+class _RecordingProjections(LinearProjections):
+    """The layer's projections, keeping each chunk's K/V on the device's own tokens (for the cache)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.kv_seen = []
+
+    def q_parts(self, i):
+        parts = super().q_parts(i)
+        if len(parts) == 3:  # fused: K and V left with Q
+            self.kv_seen.append(parts[1:])
+        return parts
+
+    def kv_parts(self, i):
+        parts = super().kv_parts(i)
+        self.kv_seen.append(parts)
+        return parts
+
+
+def _prefill_shard(params, x_BSD, *args, spec, layout, dtype, fields, cache: CacheLayout):
+    meta = shard_meta(fields, args[:len(fields)])
+    projections = _RecordingProjections(params, x_BSD, meta.pos, spec=spec, layout=layout, dtype=dtype)
+    y = attention_shard(projections, meta, spec=spec)
+    return y, cache.write_prefill(projections.kv_seen, meta.pos, *args[len(fields):])
+
+
+def prefill(call, cache: dict, lengths):
+    """Runs the prompt through the layer (``call``: ``_layer.LayerCall``) and writes its K/V, positions
+    and lengths into ``cache`` (from slot 0: a prefill starts the cache afresh). Returns ``(y, cache)``."""
+    B, S = call.batch, call.seq_len
+    L = check_cache(cache, call.spec, B)
+    if S > L:
+        raise ValueError(f"the prompt's seq_len={S} is longer than the cache's max_length={L}; init_cache with "
+                         f"max_length >= {S} (plus the tokens to decode).")
+    lengths = _check_lengths(lengths, B, S)
+    cl = cache_layout(call.spec, call.mesh)
+    mesh, specs = call.mesh, cl.specs()
+    names = ("cached_key", "cached_value", "cached_positions")
+    args = call.args + [place(cache[n], mesh, specs[n]) for n in names] + [place(lengths, mesh, P(DP))]
+    in_specs = tuple(call.in_specs) + tuple(specs[n] for n in names) + (P(DP),)
+    fn = partial(_prefill_shard, **call.kwargs, cache=cl)
+    y, written = shard_call(fn, mesh, in_specs, (call.out_specs, tuple(specs[n] for n in names)), args)
+    new = dict(zip(names, written))
+    new["cache_index"] = place(lengths, mesh, specs["cache_index"])
+    new["cache_slots"] = jnp.asarray(S, jnp.int32)
+    return y, new
+
+
+def _check_lengths(lengths, batch: int, seq_len: int):
+    if lengths is None:
+        return jnp.full((batch,), seq_len, jnp.int32)
+    lengths = jnp.asarray(lengths)
+    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"lengths (shape={lengths.shape}, dtype={lengths.dtype}) must be integers of shape "
+                         f"(batch,)=({batch},): each prompt's number of real tokens (the rest is padding).")
+    if not isinstance(lengths, jax.core.Tracer) and (lengths.min() < 1 or lengths.max() > seq_len):
+        raise ValueError(f"lengths={lengths.tolist()} must lie in [1, seq_len={seq_len}].")
+    return lengths.astype(jnp.int32)
+
+
+def _put(buf, new, local, mine):
+    """Writes ``new [B, 1, ...]`` at local slot ``local`` of ``buf [B, L/n, ...]`` where ``mine``
+    (this device owns the slot), in place; elsewhere the slot keeps what it holds."""
+    old = lax.dynamic_slice_in_dim(buf, local, 1, axis=1)
+    return lax.dynamic_update_slice_in_dim(buf, jnp.where(mine, new.astype(buf.dtype), old), local, axis=1)
+
+
+def _new_tokens(params, x_BTD, pos_BT, spec, cl: CacheLayout, dims, dtype):
+    """q ``[B, T, H/t, d]`` and the cache's k, v ``[B, T, Kc/t, d]`` of the new tokens (QK-norm, RoPE)."""
+    w = params
+    kv_layout = Layout(dims, cl.heads, cl.kv_sharded)
+    local = lambda name, axis: None if name not in w else _local_kv(w[name], kv_layout, axis)
+    x = x_BTD.astype(dtype)
+    q = _per_token(_proj(x, w["q_kernel"], w.get("q_bias"), dtype), w.get("q_norm"), pos_BT, spec.rope_theta)
+    k = _proj(x, local("k_kernel", 1), local("k_bias", 0), dtype)
+    k = _per_token(k, w.get("k_norm"), pos_BT, spec.rope_theta)
+    return q, k, _proj(x, local("v_kernel", 1), local("v_bias", 0), dtype), w
+
+
+def merge_partials(o_BTHd, lse_BTH, axes):
+    """Attention over keys split across ``axes``: each device's ``(o, lse)`` -> the whole softmax's
+    (float32), replicated over ``axes``: a ``pmax`` of the log-sum-exps, then one ``psum`` of the
+    rescaled outputs with their weights (both ``[B, T, H]``-sized: small next to the cache)."""
+    m = lax.pmax(jnp.where(jnp.isfinite(lse_BTH), lse_BTH, -1e30), axes)
+    w = jnp.exp(jnp.where(jnp.isfinite(lse_BTH), lse_BTH - m, -jnp.inf))  # 0 where a device's keys are all hidden
+    both = lax.psum(jnp.concatenate([w[..., None] * o_BTHd.astype(jnp.float32), w[..., None]], axis=-1), axes)
+    o, total = both[..., :-1], both[..., -1]
+    safe = jnp.where(total > 0, total, 1.0)
+    return o / safe[..., None], jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
+
+
+def _cp_rank():
+    """This device's index along the sequence axis ``(cp_colossal, cp_ulysses)``, colossal-major."""
+    idx = 0
+    for name in CP:
+        idx = idx * lax.axis_size(name) + lax.axis_index(name)
+    return idx
+
+
+def _decode_shard(params, x_BTD, ck, cv, cpos, index_B, slots, *, spec, dims, dtype, cl: CacheLayout):
+    T, n = x_BTD.shape[1], dims.cp
+    pos_BT = index_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    q, k, v, w = _new_tokens(params, x_BTD, pos_BT, spec, cl, dims, dtype)
+    rank = _cp_rank()
+    for t in range(T):  # token slots + t goes to rank (slots + t) % n, local slot (slots + t) // n
+        g = slots + t
+        mine, local = g % n == rank, g // n
+        ck, cv = _put(ck, k[:, t:t + 1], local, mine), _put(cv, v[:, t:t + 1], local, mine)
+        cpos = _put(cpos, pos_BT[:, t:t + 1], local, mine)
+    kernel = spec.kernel if spec.kernel in ("blockwise", "xla") else "blockwise"  # the log-sum-exp is needed
+    o, lse = _kernels.local_attention(
+        q, ck, cv, kernel=kernel, q_positions=pos_BT, kv_positions=cpos, is_causal=True,
+        local_window_size=spec.local_window_size, scale=spec.scale, logits_soft_cap=spec.logits_soft_cap,
+        block_kv=spec.block_kv, return_residual=True)
+    o, lse = merge_partials(o, lse, CP)
+    o, _ = fold_sinks(o, lse, w.get("sinks"))
+    y = lax.psum(jnp.einsum("bthe,hed->btd", o.astype(dtype), w["o_kernel"].astype(dtype)), TP)
+    if "o_bias" in w:
+        y = y + w["o_bias"][None, None]
+    y = jnp.where(slots + T > cpos.shape[1] * n, jnp.nan, y)  # past max_length (traced: no error to raise)
+    return y.astype(dtype), (ck, cv, cpos)
+
+
+def decode_step(params: dict, x_BTD, cache: dict, *, mesh, spec, dtype, param_specs: dict):
+    """One decode step of ``T`` new tokens per sequence ``x [B, T, D]`` at positions ``cache_index[b] + t``.
+
+    Returns ``(y [B, T, out_features], cache)`` with the new tokens' K/V written and ``cache_index``
+    advanced by ``T``. ``ValueError`` when the cache is missing, of another batch, or (known values)
+    full; under ``jit`` a step past ``max_length`` returns NaN outputs.
+    """
+    B, T = x_BTD.shape[:2]
+    L = check_cache(cache, spec, B)
+    slots = cache["cache_slots"]
+    if not isinstance(slots, jax.core.Tracer) and int(slots) + T > L:
+        raise ValueError(f"decoding {T} more token(s) past the {int(slots)} in the cache would exceed its "
+                         f"max_length={L}; init_cache with a larger max_length.")
+    cl, dims = cache_layout(spec, mesh), mesh_dims(mesh)
+    specs, names = cl.specs(), ("cached_key", "cached_value", "cached_positions", "cache_index", "cache_slots")
+    params = {k: place(params[k], mesh, param_specs[k]) for k in param_specs}
+    args = [params, place(x_BTD, mesh, X_DECODE)] + [place(cache[n], mesh, specs[n]) for n in names]
+    in_specs = (param_specs, X_DECODE) + tuple(specs[n] for n in names)
+    fn = partial(_decode_shard, spec=spec, dims=dims, dtype=jnp.dtype(dtype), cl=cl)
+    y, written = shard_call(fn, mesh, in_specs, (X_DECODE, tuple(specs[n] for n in names[:3])), args)
+    new = dict(zip(names[:3], written))
+    new["cache_index"] = cache["cache_index"] + T
+    new["cache_slots"] = slots + T
+    return y, new
