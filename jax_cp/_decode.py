@@ -16,8 +16,8 @@ sequence however long decoding runs. Because each slot stores its token's positi
 
 A decode step (``decode_step``): the new tokens ``x [B, T, D]`` are replicated over the CP axes;
 every device projects them (its tp heads), the owner writes the new K/V into its slot, every device
-attends its cache shard (the blockwise kernel with the log-sum-exp; empty and padded slots cost no
-block work), and a ``pmax`` of the log-sum-exps and one ``psum`` of the rescaled partial outputs over
+attends its cache shard (one dense masked pass with the log-sum-exp: ``T`` query rows, so the scores
+are small next to the cache, and no loop carries the cache, which XLA would copy), and a ``pmax`` of the log-sum-exps and one ``psum`` of the rescaled partial outputs over
 the CP axes merges them (both ``[B, T, H]``-sized); then the output projection and the tp psum. The cache is updated in place (``dynamic_update_slice``),
 so a jitted step with the cache donated holds it once.
 Letters: B batch, S prompt, T new tokens, L cache length, D model width, H heads, K kv heads, d head dim.
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_cp import kernels as _kernels
 from jax_cp._blockwise import fold_sinks
+from jax_cp._masks import visible
 from jax_cp._body import attention_shard, shard_call, shard_meta
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place, seq_chunk
 from jax_cp._projection import LinearProjections, _local_kv, _per_token, _proj, _varying
@@ -171,10 +171,11 @@ def _check_lengths(lengths, batch: int, seq_len: int):
 
 
 def _put(buf, new, local, mine):
-    """Writes ``new [B, 1, ...]`` at local slot ``local`` of ``buf [B, L/n, ...]`` where ``mine``
-    (this device owns the slot), in place; elsewhere the slot keeps what it holds."""
-    old = lax.dynamic_slice_in_dim(buf, local, 1, axis=1)
-    return lax.dynamic_update_slice_in_dim(buf, jnp.where(mine, new.astype(buf.dtype), old), local, axis=1)
+    """Writes ``new [B, 1, ...]`` at local slot ``local`` of ``buf [B, L/n, ...]`` where ``mine`` (this
+    device owns the slot), in place: a scatter whose index is out of bounds elsewhere, so it drops
+    (nothing reads the old slot, which would make XLA copy the buffer)."""
+    slot = jnp.where(mine, local, buf.shape[1])
+    return buf.at[:, slot].set(new[:, 0].astype(buf.dtype), mode="drop")
 
 
 def _new_tokens(params, x_BTD, pos_BT, spec, cl: CacheLayout, dims, dtype):
@@ -187,6 +188,33 @@ def _new_tokens(params, x_BTD, pos_BT, spec, cl: CacheLayout, dims, dtype):
     k = _proj(x, local("k_kernel", 1), local("k_bias", 0), dtype)
     k = _per_token(k, w.get("k_norm"), pos_BT, spec.rope_theta)
     return q, k, _proj(x, local("v_kernel", 1), local("v_bias", 0), dtype), w
+
+
+def attend_cache(q_BTHd, k_BSKd, v_BSKd, q_pos_BT, k_pos_BS, spec):
+    """``(o [B, T, H, dv], lse [B, T, H])`` float32 of the queries over one cache shard (causal, window,
+    soft cap, empty slots hidden). Dense: ``T`` rows, so the scores ``[B, S, K, G, T]`` are small next to
+    the cache, and both contractions are written as fused multiply-reductions that read K and V where
+    they lie (a dot would have XLA lay the cache out anew, a copy per layer and step; so would a
+    loop carrying it, as the blockwise kernel's)."""
+    B, T, H, d = q_BTHd.shape
+    K = k_BSKd.shape[2]
+    scale = d**-0.5 if spec.scale is None else spec.scale
+    q = q_BTHd.astype(jnp.float32).reshape(B, T, K, H // K, d)
+    s = jnp.stack([(q[:, None, t] * k_BSKd[:, :, :, None].astype(jnp.float32)).sum(-1) for t in range(T)], -1)
+    s = s * scale  # [B, S, K, G, T]
+    if spec.logits_soft_cap is not None:
+        s = spec.logits_soft_cap * jnp.tanh(s / spec.logits_soft_cap)
+    mask = visible(q_pos_BT, k_pos_BS, is_causal=True, window=spec.local_window_size)  # [B, T, S]
+    mask = jnp.moveaxis(mask, 1, 2)[:, :, None, None, :]
+    s = jnp.where(mask, s, -jnp.inf)
+    m = s.max(1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)  # 0 where hidden
+    total = p.sum(1)  # [B, K, G, T]
+    o = (p[..., None] * v_BSKd[:, :, :, None, None].astype(jnp.float32)).sum(1)  # [B, K, G, T, dv]
+    o = o / jnp.where(total > 0, total, 1.0)[..., None]
+    lse = jnp.where(total > 0, m[:, 0] + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    return jnp.moveaxis(o, 3, 1).reshape(B, T, H, -1), jnp.moveaxis(lse, 3, 1).reshape(B, T, H)
 
 
 def merge_partials(o_BTHd, lse_BTH, axes):
@@ -219,11 +247,9 @@ def _decode_shard(params, x_BTD, ck, cv, cpos, index_B, slots, *, spec, dims, dt
         mine, local = g % n == rank, g // n
         ck, cv = _put(ck, k[:, t:t + 1], local, mine), _put(cv, v[:, t:t + 1], local, mine)
         cpos = _put(cpos, pos_BT[:, t:t + 1], local, mine)
-    kernel = spec.kernel if spec.kernel in ("blockwise", "xla") else "blockwise"  # the log-sum-exp is needed
-    o, lse = _kernels.local_attention(
-        q, ck, cv, kernel=kernel, q_positions=pos_BT, kv_positions=cpos, is_causal=True,
-        local_window_size=spec.local_window_size, scale=spec.scale, logits_soft_cap=spec.logits_soft_cap,
-        block_kv=spec.block_kv, return_residual=True)
+    # The attention reads the written buffers, never a fused re-run of the write (XLA would copy the cache).
+    ck, cv, cpos = (lax.optimization_barrier(a) for a in (ck, cv, cpos))
+    o, lse = attend_cache(q, ck, cv, pos_BT, cpos, spec)
     o, lse = merge_partials(o, lse, CP)
     o, _ = fold_sinks(o, lse, w.get("sinks"))
     y = lax.psum(jnp.einsum("bthe,hed->btd", o.astype(dtype), w["o_kernel"].astype(dtype)), TP)

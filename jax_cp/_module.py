@@ -133,6 +133,7 @@ def _check_inference(spec: AttentionSpec, x, kv_x: tuple, prefill: bool):
 
 def _infer(params, x, cache, *, mesh, spec, dtype, prefill, positions, lengths, local_window_size):
     """``prefill`` or one decode step (``jax_cp._decode``); shared by the NNX and Linen modules."""
+    _decode.check_cache(cache, spec, getattr(x, "shape", (None,))[0])
     if prefill:
         call = layer_call(params, x, mesh=mesh, spec=spec, dtype=dtype, positions=positions,
                           local_window_size=local_window_size)

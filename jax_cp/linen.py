@@ -7,9 +7,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax_cp import _decode
 from jax_cp._defaults import AUTO
 from jax_cp._layer import AttentionSharding, init_param, kv_inputs, layer_forward, param_shapes, storage_specs
 from jax_cp._mesh import is_explicit, place
+from jax_cp._module import _check_inference, _infer
 from jax_cp._spec import AttentionSpec
 
 __all__ = ["CPAttention"]
@@ -23,6 +25,11 @@ class CPAttention(nn.Module):
     maximum logit into the ``"intermediates"`` collection as ``max_logits``
     (``model.apply(..., mutable=["intermediates"])``). Called as flax's attention: ``model(x)``
     self-attention, ``model(x, inputs_k, inputs_v)`` or ``model(x, inputs_kv=kv)`` cross attention.
+
+    Inference, flax's convention: ``decode=True`` (attribute or call argument) with no ``"cache"``
+    collection yet (``model.init(key, jnp.zeros((B, max_length, D)), decode=True)``) creates the KV
+    cache for that batch and length; later calls with ``mutable=["cache"]`` take ``prefill=True`` (a
+    prompt, ``lengths`` real tokens each) or ``decode=True`` (new tokens), as ``jax_cp.CPAttention``.
     """
 
     num_heads: int
@@ -49,6 +56,7 @@ class CPAttention(nn.Module):
     logits_soft_cap: float | None = None
     use_sinks: bool = False
     record_max_logits: bool = False
+    decode: bool = False
 
     @property
     def spec(self) -> AttentionSpec:
@@ -64,7 +72,8 @@ class CPAttention(nn.Module):
 
     @nn.compact
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, positions=None, segment_ids=None,
-                 kv_positions=None, kv_segment_ids=None, local_window_size=None):
+                 kv_positions=None, kv_segment_ids=None, local_window_size=None, decode: bool | None = None,
+                 prefill: bool = False, lengths=None):
         spec = self.spec
         specs = storage_specs(spec, self.mesh, self.sharding)
         params = {}
@@ -72,6 +81,19 @@ class CPAttention(nn.Module):
             init = lambda key, shape, dtype, name=name: _born_placed(
                 init_param(name, shape, key, dtype, self.kernel_init), self.mesh, specs[name])
             params[name] = self.param(name, nn.with_partitioning(init, tuple(specs[name])), shape, self.param_dtype)
+        decode = self.decode if decode is None else decode
+        if (prefill or decode) and self.has_variable("cache", "cached_key"):
+            _check_inference(spec, inputs_q, kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), prefill)
+            cache = {name: self.get_variable("cache", name) for name in _decode.CACHE_FIELDS}
+            y, cache = _infer(params, inputs_q, cache, mesh=self.mesh, spec=spec, dtype=self.dtype, prefill=prefill,
+                              positions=positions, lengths=lengths, local_window_size=local_window_size)
+            for name, value in cache.items():
+                self.put_variable("cache", name, value)
+            return y
+        if decode:  # the first decode call (init): a cache of the input's batch and length
+            dtype = jnp.dtype(self.dtype or inputs_q.dtype)
+            for name, value in _decode.init_cache(spec, self.mesh, *inputs_q.shape[:2], dtype).items():
+                self.variable("cache", name, lambda value=value: value)
         y = layer_forward(params, inputs_q, mesh=self.mesh, spec=spec, dtype=self.dtype, positions=positions,
                           segment_ids=segment_ids, local_window_size=local_window_size,
                           kv_x=kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), kv_positions=kv_positions,

@@ -113,6 +113,11 @@ class Sharding:
         dims[max(free, key=lambda i: shape[i])] = DP
         return P(*dims)
 
+    def decoding(self) -> "Sharding":
+        """The activations of a decode step (a few new tokens): replicated over the CP axes."""
+        return dataclasses.replace(self, x_BSD=P(DP, None, None), h_BSF=P(DP, None, TP),
+                                   logits_BSV=P(DP, None, TP), tokens_BS=P(DP, None))
+
     @staticmethod
     def compute(spec: P) -> P:
         """The layout a weight is used in: its storage layout without ``dp``."""
@@ -158,14 +163,14 @@ class MLP(nnx.Module):
         self.w_up = _param(mesh, sharding, init(rngs.params(), (D, F), jnp.float32), P(None, TP))
         self.w_down = _param(mesh, sharding, init(rngs.params(), (F, D), jnp.float32), P(TP, None))
 
-    def __call__(self, x_BSD):
-        m, dt = self.mesh, self.dtype
+    def __call__(self, x_BSD, sharding: Sharding | None = None):
+        m, dt, sh = self.mesh, self.dtype, sharding or self.sharding
         x = x_BSD.astype(dt)
-        gate_BSF = jax_cp.place(jnp.einsum("bsd,df->bsf", x, _weight(self.w_gate, m, dt)), m, self.sharding.h_BSF)
-        up_BSF = jax_cp.place(jnp.einsum("bsd,df->bsf", x, _weight(self.w_up, m, dt)), m, self.sharding.h_BSF)
+        gate_BSF = jax_cp.place(jnp.einsum("bsd,df->bsf", x, _weight(self.w_gate, m, dt)), m, sh.h_BSF)
+        up_BSF = jax_cp.place(jnp.einsum("bsd,df->bsf", x, _weight(self.w_up, m, dt)), m, sh.h_BSF)
         h_BSF = jax.nn.silu(gate_BSF) * up_BSF
         y_BSD = jnp.einsum("bsf,fd->bsd", h_BSF, _weight(self.w_down, m, dt))
-        return jax_cp.place(y_BSD, m, self.sharding.x_BSD)
+        return jax_cp.place(y_BSD, m, sh.x_BSD)
 
 
 class Block(nnx.Module):
@@ -181,10 +186,14 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, mesh=mesh, sharding=sharding)
         self.mlp = MLP(cfg, mesh=mesh, sharding=sharding, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
-        a = self.attn(self.attn_norm(x_BSD), positions=positions_BS, segment_ids=segment_ids_BS)
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, infer: dict | None = None, sharding=None):
+        """``infer``: the attention's ``prefill``/``decode``/``lengths`` (inference), else training."""
+        if infer:
+            a = self.attn(self.attn_norm(x_BSD), positions=positions_BS, **infer)
+        else:
+            a = self.attn(self.attn_norm(x_BSD), positions=positions_BS, segment_ids=segment_ids_BS)
         x_BSD = x_BSD + a.astype(x_BSD.dtype)
-        return x_BSD + self.mlp(self.mlp_norm(x_BSD)).astype(x_BSD.dtype)
+        return x_BSD + self.mlp(self.mlp_norm(x_BSD), sharding).astype(x_BSD.dtype)
 
 
 class Llama(nnx.Module):
@@ -195,6 +204,10 @@ class Llama(nnx.Module):
     ``segment_ids`` keep packed documents apart. The residual stream is float32.
     ``kernel``, ``kv_exchange``, ``overlap_chunks`` and ``fused_qkv_chunks`` go to
     every layer's ``jax_cp.CPAttention`` (``jax_cp.plan`` compares them for a pod).
+
+    Inference: ``init_cache(batch_size, max_length)``, then ``model(prompt, prefill=True, lengths=...)``
+    (sequence-sharded like training, each layer writing its KV cache) and ``model(tokens [B, T],
+    decode=True)`` for the next tokens (replicated over the CP axes); ``models.generate`` samples.
     """
 
     def __init__(self, cfg: LlamaConfig, *, mesh, dtype=jnp.bfloat16, fsdp: bool = False, remat: bool = False,
@@ -216,15 +229,23 @@ class Llama(nnx.Module):
             head = nnx.initializers.lecun_normal()(rngs.params(), (D, V), jnp.float32)
             self.head = _param(mesh, sharding, head, P(None, TP))
 
-    def __call__(self, tokens_BS, *, positions, segment_ids=None):
-        m, sh = self.mesh, self.sharding
+    def init_cache(self, batch_size: int, max_length: int, dtype=None):
+        """Every layer's KV cache (``jax_cp.CPAttention.init_cache``; ``dtype`` defaults to the model's)."""
+        for block in self.blocks:
+            block.attn.init_cache((batch_size, max_length), dtype or self.dtype)
+
+    def __call__(self, tokens_BS, *, positions=None, segment_ids=None, prefill: bool = False, decode: bool = False,
+                 lengths=None):
+        m = self.mesh
+        sh = self.sharding.decoding() if decode and not prefill else self.sharding
+        infer = dict(prefill=True, lengths=lengths) if prefill else dict(decode=True) if decode else None
         embed_VD = _weight(self.embed, m, jnp.float32)
         x_BSD = jax_cp.place(jnp.take(embed_VD, tokens_BS, axis=0), m, sh.x_BSD)
 
         def apply(block, x, pos, seg):
-            return jax_cp.place(block(x, pos, seg), m, sh.x_BSD)
+            return jax_cp.place(block(x, pos, seg, infer, sh), m, sh.x_BSD)
 
-        if self.remat:
+        if self.remat and infer is None:
             apply = nnx.remat(apply)
         for block in self.blocks:
             x_BSD = apply(block, x_BSD, positions, segment_ids)

@@ -322,7 +322,8 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
 
 # ----------------------------------------------------------------------------- checkpoints
 
-_META_KEYS = ("model", "seq_len", "batch", "seed", "data", "steps", "lr", "warmup")
+_META_KEYS = ("model", "seq_len", "batch", "seed", "data", "steps", "lr", "warmup", "dtype", "logits_soft_cap",
+              "use_sinks")  # the last three: what models.generate rebuilds the model with
 
 
 def _manager(cfg: TrainConfig) -> ocp.CheckpointManager:

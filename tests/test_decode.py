@@ -1,0 +1,266 @@
+"""Inference: CP prefill into a sequence-sharded KV cache, decode steps, the Linen twin, models.generate.
+
+Every decode output is checked against the training path over the whole sequence (the same
+layer: prefill-then-decode must give what one causal pass gives at every position), and the
+Llama model's greedy decode on the 8 devices against the same weights on one device.
+"""
+import dataclasses
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+
+import jax_cp
+from models import generate as gen_lib
+from models import llama
+
+D = 32
+TOL = 2e-5  # float32, highest matmul precision
+
+
+@pytest.fixture(autouse=True)
+def _highest_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def _layer(c, u, t, *, H=8, K=2, seed=0, **kw):
+    mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
+    m = jax_cp.CPAttention(H, D, num_kv_heads=K, head_dim=8, mesh=mesh, is_causal=True, rope_theta=1e4,
+                           rngs=nnx.Rngs(seed), **kw)
+    if kw.get("use_sinks"):
+        m.sinks[...] = jax.random.normal(jax.random.key(7), (H,))
+    return m
+
+
+def _decode_vs_full(m, *, S, L, steps, T=1, lengths=None, window=None, batch=2):
+    """Prefill ``S`` tokens (``lengths`` real per sequence), decode ``steps`` x ``T``; returns the largest
+    difference to one training-path pass over each sequence's real tokens followed by its new ones."""
+    n = jax_cp.mesh_dims(m.mesh).cp
+    x = jax.random.normal(jax.random.key(1), (batch, L, D))
+    m.init_cache((batch, L))
+    lens = np.full(batch, S) if lengths is None else np.asarray(lengths)
+    y0 = m(x[:, :S], prefill=True, lengths=None if lengths is None else jnp.asarray(lens),
+           local_window_size=window)
+    ys = [m(x[:, S + i * T:S + (i + 1) * T], decode=True, local_window_size=window) for i in range(steps)]
+    assert [int(i) for i in m.cache_index[...]] == [int(v) + steps * T for v in lens]
+    err = 0.0
+    for b in range(batch):
+        seq = jnp.concatenate([x[b, :lens[b]], x[b, S:S + steps * T]])
+        seq = jnp.pad(seq, ((0, (-seq.shape[0]) % (2 * n)), (0, 0)))[None]
+        ref = m(jnp.broadcast_to(seq, (batch,) + seq.shape[1:]), local_window_size=window)[0]
+        err = max(err, float(jnp.abs(y0[b, :lens[b]] - ref[:lens[b]]).max()))
+        for i, y in enumerate(ys):
+            at = lens[b] + i * T
+            err = max(err, float(jnp.abs(y[b] - ref[at:at + T]).max()))
+    return err
+
+
+@pytest.mark.parametrize("mesh,kw,run", [
+    ((1, 4, 2), dict(K=2), dict(lengths=[16, 5])),                         # Ulysses x tp, GQA
+    ((4, 1, 2), dict(K=1), dict(lengths=[11, 16])),                        # all-gather x tp, MQA
+    ((2, 2, 2), dict(K=2), dict(lengths=[3, 16], T=2)),                    # hybrid x tp, two tokens a step
+    ((4, 2, 1), dict(K=2, kv_exchange="ring"), dict(lengths=[9, 2])),      # ring x Ulysses
+    ((2, 4, 1), dict(H=16, K=2, overlap_chunks=2, fused_qkv_chunks=2), {}),  # fused chunks, kv heads repeated
+    ((4, 1, 2), dict(K=2, use_sinks=True, logits_soft_cap=3.0, use_qk_norm=True), dict(lengths=[7, 13])),
+])
+def test_decode_matches_the_full_sequence(mesh, kw, run):
+    err = _decode_vs_full(_layer(*mesh, **kw), S=16, L=48, steps=5, **run)
+    assert err < TOL, err
+
+
+def test_decode_with_a_window_crossing_every_device():
+    # 8 CP ranks, 24 decode steps: the new tokens go round-robin over every device, the window hides
+    # the oldest keys (prompt ends mid-chunk: 13 of 16).
+    m = _layer(8, 1, 1)
+    assert _decode_vs_full(m, S=16, L=48, steps=24, lengths=[13, 16], window=6) < TOL
+    pos = np.asarray(m.cached_positions[...])
+    assert sorted(pos[0][pos[0] < jax_cp._decode.EMPTY].tolist()) == list(range(13 + 24))
+    where = [divmod(int(np.flatnonzero(pos[0] == p)[0]), 6) for p in range(13, 13 + 24)]  # (rank, local slot)
+    assert where == [((16 + i) % 8, (16 + i) // 8) for i in range(24)]  # decode token i: global slot 16 + i
+
+
+def test_cache_is_sharded_over_the_sequence_and_kv_heads():
+    m = _layer(2, 2, 2, K=2)
+    m.init_cache((2, 32))
+    k = m.cached_key[...]
+    assert k.shape == (2, 32, 2, 8)
+    assert k.sharding.shard_shape(k.shape) == (2, 8, 1, 8)  # L / (c*u), K / t
+    mqa = _layer(2, 2, 2, K=1)
+    mqa.init_cache((2, 32))
+    assert mqa.cached_key[...].shape == (2, 32, 2, 8)  # the one kv head held by each tp rank
+
+
+def test_linen_twin_decodes_as_the_nnx_module():
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    m = jax_cp.linen.CPAttention(num_heads=8, in_features=D, num_kv_heads=2, mesh=mesh, is_causal=True,
+                                 rope_theta=1e4)
+    B, L, S = 2, 32, 16
+    x = jax.random.normal(jax.random.key(1), (B, L, D))
+    v = m.init(jax.random.key(0), jnp.zeros((B, L, D)), decode=True)
+    assert v["cache"]["cached_key"].shape == (B, L, 2, 4)
+    full = m.apply({"params": v["params"]}, x)
+    y, cache = m.apply(v, x[:, :S], prefill=True, mutable=["cache"])
+    errs = [jnp.abs(y - full[:, :S]).max()]
+    for i in range(3):
+        y, cache = m.apply({"params": v["params"], **cache}, x[:, S + i:S + i + 1], decode=True, mutable=["cache"])
+        errs.append(jnp.abs(y[:, 0] - full[:, S + i]).max())
+    assert max(float(e) for e in errs) < TOL
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda m, x: m(x[:, :4], decode=True), "decode needs a cache: call init_cache"),
+    (lambda m, x: (m.init_cache((2, 16)), m(x[:1, :8], prefill=True)), r"batch=1 does not match the cache's batch=2"),
+    (lambda m, x: (m.init_cache((2, 8)), m(x[:, :16], prefill=True)), r"seq_len=16 is longer than the cache's "
+                                                                      "max_length=8"),
+    (lambda m, x: (m.init_cache((2, 8)), m(x[:, :8], prefill=True), m(x[:, :1], decode=True)),
+     r"exceed its max_length=8"),
+    (lambda m, x: m.init_cache((2, 10)), r"max_length=10 is not divisible by cp_colossal\*cp_ulysses=4"),
+    (lambda m, x: (m.init_cache((2, 16)), m(x[:, :8], prefill=True, lengths=jnp.array([0, 8]))),
+     r"lengths=\[0, 8\] must lie in \[1, seq_len=8\]"),
+    (lambda m, x: (m.init_cache((2, 16)), m(x[:, :1], decode=True, positions=jnp.zeros((2, 1), jnp.int32))),
+     "decode steps take their positions from the cache"),
+    (lambda m, x: (m.init_cache((2, 16)), m(x[:, :8], x[:, :8], prefill=True)), "cross attention"),
+])
+def test_bad_inference_input_is_a_value_error(call, match):
+    m = _layer(2, 2, 1)
+    x = jnp.ones((2, 16, D))
+    with pytest.raises(ValueError, match=match):
+        call(m, x)
+
+
+def test_non_causal_layer_refuses_decode():
+    mesh = jax_cp.make_mesh(cp_ulysses=2)
+    m = jax_cp.CPAttention(4, D, mesh=mesh, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="decode=True needs is_causal=True"):
+        m(jnp.ones((4, 1, D)), decode=True)
+
+
+def test_jitted_step_past_max_length_returns_nan():
+    m = _layer(2, 2, 1)
+    m.init_cache((2, 8))
+    m(jnp.ones((2, 8, D)), prefill=True)
+    y = nnx.jit(lambda m, x: m(x, decode=True))(m, jnp.ones((2, 1, D)))
+    assert bool(jnp.isnan(y).all())
+
+
+# ----------------------------------------------------------------------------- the model and generate
+
+CFG = llama.LlamaConfig(vocab_size=320, d_model=32, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8,
+                        d_ff=64, rope_theta=10_000.0, use_qk_norm=True, tie_embeddings=True)
+
+
+def _model(mesh):
+    return llama.Llama(CFG, mesh=mesh, dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
+def _copy_params(src, dst):
+    """``dst`` gets ``src``'s parameter values (each on ``dst``'s own sharding)."""
+    state = nnx.state(dst, nnx.Param)
+    values = jax.tree.map(lambda d, s: jax.device_put(np.asarray(s), d.sharding), state, nnx.state(src, nnx.Param))
+    nnx.update(dst, values)
+
+
+def _greedy(model, prompts, lengths, steps, max_length):
+    g = gen_lib.Generator(model, batch=prompts.shape[0], prompt_len=prompts.shape[1], max_length=max_length)
+    logits, tokens = [], []
+    step = jax.jit(lambda p, c, t: _logits_step(g, p, c, t), donate_argnums=1)
+    pre = jax.jit(lambda p, c, t, l: _logits_prefill(g, p, c, t, l), donate_argnums=1)
+    out, g.cache = pre(g.params, g.cache, jnp.asarray(prompts), jnp.asarray(lengths))
+    last = out[np.arange(len(lengths)), np.asarray(lengths) - 1]
+    for _ in range(steps):
+        tok = jnp.argmax(last, -1).astype(jnp.int32)
+        tokens.append(np.asarray(tok))
+        logits.append(np.asarray(last))
+        last, g.cache = step(g.params, g.cache, tok)
+    return np.stack(tokens, 1), np.stack(logits, 1), np.asarray(out)
+
+
+def _logits_prefill(g, params, cache, tokens, lengths):
+    m = nnx.merge(g.graphdef, params, cache)
+    return m(tokens, prefill=True, lengths=lengths), nnx.state(m, nnx.Cache)
+
+
+def _logits_step(g, params, cache, tok):
+    m = nnx.merge(g.graphdef, params, cache)
+    return m(tok[:, None], decode=True)[:, 0], nnx.state(m, nnx.Cache)
+
+
+@pytest.mark.parametrize("layout", [(2, 2, 2), (1, 4, 2), (4, 1, 1)])
+def test_model_greedy_decode_matches_one_device(layout):
+    c, u, t = layout
+    mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
+    one = jax_cp.make_mesh(devices=jax.devices()[:1])
+    model, ref = _model(mesh), _model(one)
+    _copy_params(model, ref)
+    B = jax_cp.mesh_dims(mesh).dp * 2
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, 256, (B, 12)).astype(np.int32)
+    lengths = np.array([12, 7] * (B // 2), np.int32)  # one prompt ends mid-chunk
+    toks, logits, prefill_logits = _greedy(model, prompts, lengths, 10, 32)
+    toks1, logits1, _ = _greedy(ref, prompts, lengths, 10, 32)
+    np.testing.assert_array_equal(toks, toks1)
+    np.testing.assert_allclose(logits, logits1, atol=1e-4, rtol=1e-4)
+    # Prefill-then-decode equals one training-path pass over the whole sequence, at every position.
+    for b in range(2):
+        seq = np.concatenate([prompts[b, :lengths[b]], toks[b, :-1]])
+        seq = np.pad(seq, (0, (-len(seq)) % 8))[None].repeat(B, 0)
+        full = np.asarray(model(jnp.asarray(seq), positions=jnp.arange(seq.shape[1])))[0]
+        np.testing.assert_allclose(prefill_logits[b, :lengths[b]], full[:lengths[b]], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(logits[b], full[lengths[b] - 1:lengths[b] + 9], atol=1e-4, rtol=1e-4)
+
+
+def test_decode_step_holds_the_cache_once():
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    cfg = dataclasses.replace(CFG, d_model=64, head_dim=64, d_ff=128)  # a real head dim: the cache dominates
+    model = llama.Llama(cfg, mesh=mesh, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    g = gen_lib.Generator(model, batch=2, prompt_len=8, max_length=2048)
+    compiled = g._step.lower(g.params, g.cache, jnp.zeros((2,), jnp.int32), jax.random.key(0)).compile()
+    mem = compiled.memory_analysis()
+    shards = [a.addressable_shards[0].data for a in jax.tree.leaves(g.cache)]
+    cache_bytes = sum(s.nbytes for s in shards)  # per device: 2 layers x K, V [2, 512, 1, 64] f32 + positions
+    assert cache_bytes > 1_000_000
+    assert mem.alias_size_in_bytes >= cache_bytes  # every cache buffer is updated in place
+    key_bytes = min(s.nbytes for s in shards if s.ndim == 4)  # one layer's keys: any copy would exceed it
+    assert mem.temp_size_in_bytes < key_bytes, (mem.temp_size_in_bytes, key_bytes)
+    kv_shape = "f32[" + ",".join(map(str, shards[0].shape)) + "]" if shards[0].ndim == 4 else None
+    copies = [l for l in compiled.as_text().splitlines() if " copy(" in l and kv_shape and f"= {kv_shape}" in l]
+    assert not copies, copies[:3]
+
+
+def test_generate_from_a_checkpoint_streams_the_greedy_text(tmp_path, capsys):
+    import orbax.checkpoint as ocp
+    from models import train
+
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    cfg = train.TrainConfig(model="tiny", cp_colossal=2, cp_ulysses=2, tp=2, seq_len=16, batch=1, steps=2,
+                            warmup=1, dtype="float32", out=str(tmp_path))
+    tx, _ = train.make_optimizer(cfg)
+    with jax.set_mesh(mesh):
+        model, opt = nnx.jit(train._init_fn(cfg, mesh, tx))()
+    with ocp.CheckpointManager(cfg.ckpt_dir.absolute(), item_names=("state", "meta")) as mngr:
+        train._save(mngr, 1, nnx.state((model, opt)), cfg)
+        mngr.wait_until_finished()
+    gen_lib.main(["--checkpoint", str(tmp_path), "--prompt", "def f", "--max-new-tokens", "6",
+                  "--cp-colossal", "2", "--cp-ulysses", "2", "--tp", "2", "--no-stop-at-eod"])
+    out, err = capsys.readouterr()
+    assert "prefill 5 tokens" in err and "6 new tokens" in err, err
+    # The same greedy continuation from one pass of the training path per token.
+    seq = list(b"def f")
+    for _ in range(6):
+        x = np.pad(np.array(seq, np.int32), (0, (-len(seq)) % 8))[None]
+        logits = model(jnp.asarray(x), positions=jnp.arange(x.shape[1]))
+        seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+    assert out.startswith("def f")
+    expect = bytes(b for b in seq[5:] if b < 256).decode("utf-8", errors="replace")
+    assert out[len("def f"):].rstrip("\n") == expect
+
+
+def test_generate_flags_are_checked():
+    with pytest.raises(SystemExit):
+        gen_lib.parse_args(["--prompt", "x"])  # no checkpoint, no plan
+    with pytest.raises(ValueError, match="no models.train checkpoint there"):
+        gen_lib.checkpoint_dir("/nonexistent")
