@@ -16,8 +16,9 @@ sequence however long decoding runs. Because each slot stores its token's positi
 
 A decode step (``decode_step``): the new tokens ``x [B, T, D]`` are replicated over the CP axes;
 every device projects them (its tp heads), the owner writes the new K/V into its slot, every device
-attends its cache shard (one dense masked pass with the log-sum-exp: ``T`` query rows, so the scores
-are small next to the cache, and no loop carries the cache, which XLA would copy), and a ``pmax`` of the log-sum-exps and one ``psum`` of the rescaled partial outputs over
+attends its cache shard (``attend_cache``: one dense masked pass with the log-sum-exp; ``T`` query rows,
+so the scores are small next to the cache, and nothing copies the cache: no loop carries it and the
+contractions read it in place), and a ``pmax`` of the log-sum-exps and one ``psum`` of the rescaled partial outputs over
 the CP axes merges them (both ``[B, T, H]``-sized); then the output projection and the tp psum. The cache is updated in place (``dynamic_update_slice``),
 so a jitted step with the cache donated holds it once.
 Letters: B batch, S prompt, T new tokens, L cache length, D model width, H heads, K kv heads, d head dim.
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_cp import kernels as _kernels
 from jax_cp._blockwise import fold_sinks
 from jax_cp._masks import visible
 from jax_cp._body import attention_shard, shard_call, shard_meta
@@ -190,17 +192,24 @@ def _new_tokens(params, x_BTD, pos_BT, spec, cl: CacheLayout, dims, dtype):
     return q, k, _proj(x, local("v_kernel", 1), local("v_bias", 0), dtype), w
 
 
-def attend_cache(q_BTHd, k_BSKd, v_BSKd, q_pos_BT, k_pos_BS, spec):
+def attend_cache(q_BTHd, k_BSKd, v_BSKd, q_pos_BT, k_pos_BS, spec, form: str | None = None):
     """``(o [B, T, H, dv], lse [B, T, H])`` float32 of the queries over one cache shard (causal, window,
-    soft cap, empty slots hidden). Dense: ``T`` rows, so the scores ``[B, S, K, G, T]`` are small next to
-    the cache, and both contractions are written as fused multiply-reductions that read K and V where
-    they lie (a dot would have XLA lay the cache out anew, a copy per layer and step; so would a
-    loop carrying it, as the blockwise kernel's)."""
+    soft cap, empty slots hidden). Dense: ``T`` rows, so the scores are small next to the cache.
+
+    Both contractions read K and V where they lie, never a copy: ``form="dot"`` (TPU, GPU: the
+    compiler feeds the matmul from the cache's own layout; the TPU schedule's temporaries stay below
+    one layer's keys) or ``"reduce"`` (CPU, where a dot would lay the cache out anew: fused
+    multiply-reductions instead). ``None``: by the target platform."""
+    form = form or ("reduce" if _kernels.target_platform() == "cpu" else "dot")
     B, T, H, d = q_BTHd.shape
     K = k_BSKd.shape[2]
     scale = d**-0.5 if spec.scale is None else spec.scale
-    q = q_BTHd.astype(jnp.float32).reshape(B, T, K, H // K, d)
-    s = jnp.stack([(q[:, None, t] * k_BSKd[:, :, :, None].astype(jnp.float32)).sum(-1) for t in range(T)], -1)
+    q = q_BTHd.reshape(B, T, K, H // K, d)
+    if form == "dot":
+        s = jnp.einsum("btkgd,bskd->bskgt", q.astype(k_BSKd.dtype), k_BSKd, preferred_element_type=jnp.float32)
+    else:
+        q = q.astype(jnp.float32)
+        s = jnp.stack([(q[:, None, t] * k_BSKd[:, :, :, None].astype(jnp.float32)).sum(-1) for t in range(T)], -1)
     s = s * scale  # [B, S, K, G, T]
     if spec.logits_soft_cap is not None:
         s = spec.logits_soft_cap * jnp.tanh(s / spec.logits_soft_cap)
@@ -211,7 +220,10 @@ def attend_cache(q_BTHd, k_BSKd, v_BSKd, q_pos_BT, k_pos_BS, spec):
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m)  # 0 where hidden
     total = p.sum(1)  # [B, K, G, T]
-    o = (p[..., None] * v_BSKd[:, :, :, None, None].astype(jnp.float32)).sum(1)  # [B, K, G, T, dv]
+    if form == "dot":
+        o = jnp.einsum("bskgt,bskd->bkgtd", p.astype(v_BSKd.dtype), v_BSKd, preferred_element_type=jnp.float32)
+    else:
+        o = (p[..., None] * v_BSKd[:, :, :, None, None].astype(jnp.float32)).sum(1)  # [B, K, G, T, dv]
     o = o / jnp.where(total > 0, total, 1.0)[..., None]
     lse = jnp.where(total > 0, m[:, 0] + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
     return jnp.moveaxis(o, 3, 1).reshape(B, T, H, -1), jnp.moveaxis(lse, 3, 1).reshape(B, T, H)

@@ -82,8 +82,9 @@ class CPAttention(nnx.Module):
         and ``cache_slots`` (slots written), split over the CP axes along L and over tp by kv heads."""
         batch, max_length = tuple(input_shape)[:2]
         dtype = jnp.dtype(dtype or self.dtype or jnp.float32)
+        specs = _decode.cache_layout(self.spec, self.mesh).specs()
         for name, value in _decode.init_cache(self.spec, self.mesh, batch, max_length, dtype).items():
-            setattr(self, name, nnx.Cache(value))
+            setattr(self, name, nnx.Cache(value, out_sharding=tuple(specs[name]), eager_sharding=False))
 
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, positions=None, segment_ids=None,
                  kv_positions=None, kv_segment_ids=None, local_window_size=None, decode: bool | None = None,

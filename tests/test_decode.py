@@ -264,3 +264,43 @@ def test_generate_flags_are_checked():
         gen_lib.parse_args(["--prompt", "x"])  # no checkpoint, no plan
     with pytest.raises(ValueError, match="no models.train checkpoint there"):
         gen_lib.checkpoint_dir("/nonexistent")
+
+
+def test_planned_tpu_decode_step_holds_the_sharded_cache_once():
+    pytest.importorskip("libtpu", reason="the planner compiles with the libtpu wheel's TPU compiler")
+    runs = {}
+    for cache_len in (16384, 65536):
+        cfg = gen_lib.GenerateConfig(plan="v5e:2x4", model="tiny", cache_len=cache_len, cp_colossal=2, cp_ulysses=2,
+                                     tp=2)
+        runs[cache_len] = gen_lib.plan_decode(cfg)
+    c = llama.get_config("tiny")  # 2 layers, 2 kv heads of 16, bfloat16 cache; one sequence (dp=1)
+    for cache_len, (a, per_chip) in runs.items():
+        slots = cache_len // 4
+        assert per_chip == c.num_layers * (2 * slots * (c.num_kv_heads // 2) * c.head_dim * 2 + slots * 4 + 4 + 4)
+        assert a.memory.aliased >= per_chip, a.memory  # every cache buffer updated in place
+        merges = [x for x in a.schedule.collectives if x.axes == ("cp_colossal", "cp_ulysses")]
+        assert {x.kind for x in merges} == {"all-reduce"} and len(merges) == 2 * c.num_layers  # pmax + psum a layer
+        assert all(x.bytes <= 1024 for x in merges)  # [B, T, H] partials: small next to the cache
+    # The cache is never copied: a 4x longer cache adds less to the step's temporaries (the [S, H] scores)
+    # than one layer's keys grew, which one copy of any layer's cache would add at least.
+    grown = runs[65536][0].memory.temporaries - runs[16384][0].memory.temporaries
+    keys_grown = (65536 - 16384) // 4 * (c.num_kv_heads // 2) * c.head_dim * 2
+    assert 0 <= grown < keys_grown, (grown, keys_grown)
+
+
+def test_both_cache_attention_forms_match_the_reference():
+    from jax_cp._decode import EMPTY, attend_cache
+
+    q, k, v = (jax.random.normal(jax.random.key(i), s) for i, s in enumerate([(2, 2, 8, 16), (2, 24, 2, 16),
+                                                                              (2, 24, 2, 16)]))
+    k_pos = jnp.asarray(np.where(np.arange(24) < 20, np.arange(24), EMPTY)[None].repeat(2, 0))
+    q_pos = jnp.asarray([[18, 19], [9, 10]])
+    spec = jax_cp.AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=16, is_causal=True, local_window_size=(6, 0),
+                                logits_soft_cap=4.0)
+    ref_o, ref_lse = jax_cp.kernels.dense_attention(
+        q, k, v, q_positions=q_pos, kv_positions=k_pos, is_causal=True, local_window_size=(6, 0),
+        logits_soft_cap=4.0, return_residual=True)
+    for form in ("dot", "reduce"):
+        o, lse = attend_cache(q, k, v, q_pos, k_pos, spec, form=form)
+        np.testing.assert_allclose(o, ref_o, atol=TOL, rtol=TOL)
+        np.testing.assert_allclose(lse, ref_lse, atol=TOL, rtol=TOL)
