@@ -2,6 +2,7 @@
 # make test-newest : the same suite on Python 3.12 (PYTHON312, found as .ci/run finds it) in .venv312,
 #                    with the newest jax/flax/optax/orbax the index serves (upgraded every time)
 # make train       : same venv as make test, train the tiny model on 8 simulated CPU devices
+# make generate    : sample from make train's checkpoint (CP prefill + sharded KV cache decode)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +11,7 @@ PYTEST_ARGS ?= -n 2 --dist worksteal --durations=25
 PIP_FLAGS ?=
 PYTHON312 ?= $(shell .ci/find-python312)
 
-.PHONY: test test-newest train install clean
+.PHONY: test test-newest train generate install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +35,11 @@ train: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m models.train --devices 8 --cp-colossal 2 --cp-ulysses 2 --tp 2 \
 		--model tiny --seq-len 256 --batch 8 --steps 300 --lr 3e-3 --warmup 30 \
 		--eval-every 50 --checkpoint-every 100 --out runs/tiny
+
+generate: $(STAMP)
+	@test -d runs/tiny/checkpoints || { echo "no runs/tiny checkpoint: run make train first"; exit 2; }
+	JAX_PLATFORMS=cpu $(PY) -m models.generate --checkpoint runs/tiny --devices 8 --cp-colossal 2 \
+		--cp-ulysses 2 --tp 2 --prompt "def " --max-new-tokens 200 --temperature 0.8 --top-k 20
 
 clean:
 	rm -rf $(VENV) .venv312 runs .pytest_cache

@@ -44,7 +44,9 @@ class CPAttention(nnx.Module):
     call's per-head maximum logit (``[num_heads]`` float32, over the whole mesh; for QK-clip) as
     ``nnx.Intermediate`` ``max_logits`` (read it with ``nnx.pop(model, nnx.Intermediate)``).
     ``self.spec`` is the validated
-    ``AttentionSpec``.
+    ``AttentionSpec``. Inference: ``init_cache((batch, max_length))``, then ``prefill=True`` on a prompt
+    and ``decode=True`` (or ``decode=True`` here / ``nnx.view(model, decode=True)``) on new tokens:
+    a KV cache sharded along the sequence over the CP axes (``jax_cp._decode``).
     """
 
     def __init__(self, num_heads: int, in_features: int, *, num_kv_heads: int | None = None,

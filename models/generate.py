@@ -215,7 +215,7 @@ def generate(cfg: GenerateConfig, model, out=None) -> dict:
                          f"multiple of {dims.cp}) and {cfg.max_new_tokens} new tokens; use --max-length >= {need}.")
     gen = Generator(model, batch=batch, prompt_len=len(prompt), max_length=max_length,
                     temperature=cfg.temperature, top_k=cfg.top_k)
-    keys = iter(jax.random.split(jax.random.key(cfg.seed), cfg.max_new_tokens + 1))
+    keys = iter(list(jax.random.split(jax.random.key(cfg.seed), cfg.max_new_tokens + 1)))  # split before timing
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     out.write(cfg.prompt)
     t0 = time.perf_counter()
