@@ -6,7 +6,9 @@ For each sequence length, one device's causal bf16 attention (Llama-3-8B heads: 
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)``, cuDNN's
   index-pattern causal mask (the ceiling a fused kernel is held to);
 - ``jax_cp auto``: ``jax_cp.dot_product_attention(..., is_causal=True)`` on a one-device mesh,
-  positions given (a masked call: what auto runs there, ``kernels.describe`` says which);
+  positions given (a masked call: what auto runs there, ``kernels.describe`` says which: the fused
+  Pallas kernel on a GPU);
+- ``jax_cp pallas_gpu``: the same, the fused Pallas GPU kernel explicitly (interpret mode off GPU);
 - ``jax_cp blockwise``: the portable kernel, explicitly.
 
 FLOPs are the causal pairs ``S (S + 1) / 2`` x 4 d per head (two matmuls) forward, x 3.5 forward +
@@ -51,6 +53,8 @@ def implementations(S: int) -> dict:
     pos = jnp.arange(S, dtype=jnp.int32)
     impls = {
         "jax_cp auto": lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, positions=pos),
+        "jax_cp pallas_gpu": lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True,
+                                                                          positions=pos, kernel="pallas_gpu"),
         "jax_cp blockwise": lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True,
                                                                          positions=pos, kernel="blockwise"),
     }

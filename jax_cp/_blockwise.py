@@ -47,6 +47,7 @@ class Spec:
     soft_cap: float | None = None  # logits -> soft_cap * tanh(logits / soft_cap), before the mask
     max_logits: bool = False  # forward also returns each row's largest visible logit
     residual: bool = False  # the attention also returns its log-sum-exp (differentiable)
+    kernel: str = "blockwise"  # who computes forward/backward: this module, or "pallas_gpu" (_pallas_gpu)
 
     def logits_and_slope(self, s):
         """``(logits, d logits / d s)`` of the raw scores ``s``: scaled, then soft-capped if set (one
@@ -77,11 +78,11 @@ def check_soft_cap(value) -> float | None:
 
 def make_spec(head_dim: int, *, is_causal=False, local_window_size=None, scale=None,
               block_q: int | None = None, block_kv: int | None = None, logits_soft_cap=None,
-              return_max_logits: bool = False, return_residual: bool = False) -> Spec:
+              return_max_logits: bool = False, return_residual: bool = False, kernel: str = "blockwise") -> Spec:
     return Spec(bool(is_causal), normalize_window(local_window_size),
                 float(head_dim**-0.5 if scale is None else scale),
                 check_block("block_q", block_q), check_block("block_kv", block_kv),
-                check_soft_cap(logits_soft_cap), bool(return_max_logits), bool(return_residual))
+                check_soft_cap(logits_soft_cap), bool(return_max_logits), bool(return_residual), kernel)
 
 
 # The default blocks, measured (benchmarks/kernel_speed.py, RESULTS "Local attention kernels"): on
@@ -378,7 +379,12 @@ def forward(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, state=None):
 
     ``state=(o, lse)`` of earlier keys continues that softmax (the ring's merge,
     without a second output buffer); the max covers this call's keys only.
+    ``spec.kernel="pallas_gpu"``: the fused GPU kernel computes it (``_pallas_gpu``, same contract).
     """
+    if spec.kernel == "pallas_gpu":
+        from jax_cp import _pallas_gpu  # it imports this module
+
+        return _pallas_gpu.forward(q_BTHd, k_BSKd, v_BSKd, qm, km, spec, state)
     T, S = q_BTHd.shape[1], k_BSKd.shape[1]
     bq, Tp, bk, Sp = _padded_blocks(spec, q_BTHd, k_BSKd)
     if state is not None:
@@ -395,6 +401,10 @@ def backward(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm: Meta, km: 
     ``delta`` and summing gives the full gradient (what the ring does; ``dq``
     is added to, in place).
     """
+    if spec.kernel == "pallas_gpu":
+        from jax_cp import _pallas_gpu
+
+        return _pallas_gpu.backward(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spec, dq)
     T, S = q_BTHd.shape[1], k_BSKd.shape[1]
     bq, Tp, bk, Sp = _padded_blocks(spec, q_BTHd, k_BSKd)
     dq, dk, dv = _bwd_padded(_pad(q_BTHd, Tp), _pad(k_BSKd, Sp), _pad(v_BSKd, Sp), _pad(do_BTHd, Tp),
@@ -457,6 +467,7 @@ def blockwise_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     is_causal=False, local_window_size=None, scale=None, block_q: int | None = None, block_kv: int | None = None,
     logits_soft_cap: float | None = None, sinks=None, return_max_logits: bool = False, return_residual: bool = False,
+    kernel: str = "blockwise",
 ):
     """Masked attention with memory linear in ``S``; same contract as ``dense_attention``.
 
@@ -470,11 +481,12 @@ def blockwise_attention(
     2), with its exact gradient. ``block_q``/``block_kv`` default to ``auto_blocks`` (from the
     batch, the heads and the platform). Block sizes are clamped to the sequence; lengths they do
     not divide are padded with masked tokens. Fully masked blocks are skipped (causal costs
-    about half); rows that see no key return zeros with zero gradients.
+    about half); rows that see no key return zeros with zero gradients. ``kernel="pallas_gpu"``
+    runs the same algorithm as one fused Pallas GPU kernel (``jax_cp._pallas_gpu``).
     """
     spec = make_spec(q_BTHd.shape[-1], is_causal=is_causal, local_window_size=local_window_size,
                      scale=scale, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap,
-                     return_max_logits=return_max_logits, return_residual=return_residual)
+                     return_max_logits=return_max_logits, return_residual=return_residual, kernel=kernel)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must both be given or both be None.")
     i32 = lambda a: None if a is None else jnp.asarray(a, jnp.int32)

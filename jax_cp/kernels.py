@@ -13,6 +13,7 @@ from jax_cp._blockwise import (auto_blocks, blockwise_attention, check_block, ch
                                varying_sinks)
 from jax_cp._cudnn import cudnn_attention, cudnn_unsupported_reason
 from jax_cp._masks import Window, normalize_window, visible
+from jax_cp._pallas_gpu import unsupported_reason as pallas_gpu_unsupported_reason
 from jax_cp._splash import splash_attention, splash_unsupported_reason
 
 __all__ = [
@@ -21,7 +22,7 @@ __all__ = [
     "local_attention", "select_kernel", "splash_attention", "target_platform",
 ]
 
-KERNELS = ("auto", "blockwise", "xla", "splash", "cudnn")
+KERNELS = ("auto", "blockwise", "xla", "splash", "cudnn", "pallas_gpu")
 
 
 def dense_attention(
@@ -82,21 +83,27 @@ def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window
                   max_logits: bool = False, residual: bool = False, v_head_dim: int | None = None) -> str:
     """Resolves ``"auto"`` and checks that an explicit choice can serve the mask.
 
-    ``"auto"``: splash on TPU, cuDNN on GPU when the mask is expressible there,
-    blockwise otherwise. Explicit splash off TPU runs Pallas interpret mode
-    (slow, for tests); explicit cuDNN needs a GPU.
+    ``"auto"``: splash on TPU; on GPU cuDNN when the mask is expressible there, else the fused
+    Pallas GPU kernel (positions, segments, windows as data); blockwise otherwise. Explicit splash
+    off TPU and pallas_gpu off GPU run Pallas interpret mode (slow, for tests); explicit cuDNN needs
+    a GPU.
     """
     check_kernel(kernel)
     splash_why = splash_unsupported_reason(window=window, max_logits=max_logits, residual=residual)
     cudnn_why = cudnn_unsupported_reason(is_causal=is_causal, window=window, has_segments=has_segments,
                                          dtype=dtype, head_dim=head_dim, soft_cap=soft_cap, sinks=sinks,
                                          max_logits=max_logits, residual=residual, v_head_dim=v_head_dim)
+    gpu_why = pallas_gpu_unsupported_reason(head_dim=head_dim, v_head_dim=v_head_dim)
     if kernel == "auto":
         if platform == "tpu" and splash_why is None:
             return "splash"
         if platform == "gpu" and cudnn_why is None:
             return "cudnn"
+        if platform == "gpu" and gpu_why is None:
+            return "pallas_gpu"
         return "blockwise"
+    if kernel == "pallas_gpu" and gpu_why:
+        raise ValueError(f"kernel='pallas_gpu' cannot serve this call: {gpu_why}; use kernel='blockwise' or 'auto'.")
     if kernel == "splash" and splash_why:
         raise ValueError(f"kernel='splash' cannot serve this call: {splash_why}; use kernel='blockwise' or 'auto'.")
     if kernel == "cudnn":
@@ -135,8 +142,10 @@ def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=N
         return f"{runs} (auto on {platform} with kv_exchange={exchange.name!r}: {why})"
     if chosen == "blockwise":
         why = {"tpu": splash_unsupported_reason(window=window, max_logits=record_max_logits),
-               "gpu": cudnn_unsupported_reason(**needs)}.get(platform)
+               "gpu": pallas_gpu_unsupported_reason(head_dim=head_dim)}.get(platform)
         return f"blockwise (auto on {platform}" + (f": {why})" if why else ": the portable kernel)")
+    if chosen == "pallas_gpu":
+        return f"pallas_gpu (auto on gpu: {cudnn_unsupported_reason(**needs)})"
     return f"{chosen} (auto on {platform})"
 
 
@@ -150,7 +159,7 @@ def local_attention(
     ``block_q``/``block_kv`` size the blockwise kernel's tiles (``None``: ``auto_blocks``); the
     platform kernels choose their own. ``sinks [H]``: per-query-head sink logits (or None).
     ``return_max_logits``/``return_residual``: ``o`` then ``max_logits [H]`` and/or the log-sum-exp
-    ``[B, T, H]`` (blockwise and ``"xla"`` only)."""
+    ``[B, T, H]`` (blockwise, pallas_gpu and ``"xla"`` only)."""
     window = normalize_window(local_window_size)
     chosen = select_kernel(kernel, platform=target_platform(), is_causal=is_causal, window=window,
                            has_segments=q_segment_ids is not None, dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1],
@@ -163,9 +172,10 @@ def local_attention(
     if chosen == "xla":
         return dense_attention(q_BTHd, k_BSKd, v_BSKd, **kw, return_max_logits=return_max_logits,
                                return_residual=return_residual)
-    if chosen == "blockwise":
+    if chosen in ("blockwise", "pallas_gpu"):  # one algorithm; pallas_gpu runs it as fused Pallas GPU kernels
         return blockwise_attention(q_BTHd, k_BSKd, v_BSKd, **kw, block_q=block_q, block_kv=block_kv,
-                                   return_max_logits=return_max_logits, return_residual=return_residual)
+                                   return_max_logits=return_max_logits, return_residual=return_residual,
+                                   kernel=chosen)
     if chosen == "splash":
         return splash_attention(q_BTHd, k_BSKd, v_BSKd, interpret=target_platform() != "tpu", **kw)
     return cudnn_attention(q_BTHd, k_BSKd, v_BSKd, scale=scale)

@@ -30,7 +30,7 @@ def _masks(name):
     return dict(is_causal=True, local_window_size=(48, 0))
 
 
-@pytest.mark.parametrize("kernel", ["blockwise", "xla"])
+@pytest.mark.parametrize("kernel", ["blockwise", "xla", "pallas_gpu"])
 @pytest.mark.parametrize("mask", ["causal", "documents", "window"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_local_kernels_on_this_device(kernel, mask, dtype):
@@ -48,6 +48,18 @@ def test_auto_kernel_on_this_device():
     assert_matches(f, reference.dot_product_attention, (q, k, v), ct, jnp.bfloat16, kernels.describe())
     expected = "cudnn (auto on gpu)" if jax.default_backend() in ("cuda", "rocm", "gpu") else "blockwise"
     assert kernels.describe().startswith(expected)
+
+
+def test_auto_runs_the_fused_kernel_under_masks_on_a_gpu():
+    """A causal call with positions: the fused Pallas kernel on a GPU (its Triton compile, not
+    interpret mode), blockwise elsewhere; either equals the reference."""
+    q, k, v, ct = random_qkv(B, S, H, K, d, jnp.bfloat16, seed=8)
+    kw = _masks("documents")
+    f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=_one_device(), **kw)
+    ref = lambda q, k, v: reference.dot_product_attention(q, k, v, **kw)
+    assert_matches(f, ref, (q, k, v), ct, jnp.bfloat16, kernels.describe(is_causal=True, has_segments=True))
+    gpu = kernels.target_platform() == "gpu"
+    assert kernels.describe(is_causal=True).startswith("pallas_gpu" if gpu else "blockwise")
 
 
 def test_cudnn_kernel_needs_a_gpu_and_matches_the_reference():
@@ -100,9 +112,9 @@ def test_device_check_script_and_kernel_benchmark_run_here(tmp_path):
     out = tmp_path / "kernels.md"
     gpu_kernels.main(["--quick", "--out", str(out)])
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 256 |")]
-    assert len(rows) == 6, rows
+    assert len(rows) == 8, rows
     timed = [r for r in rows if "jax_cp" in r]
-    assert len(timed) == 4 and all(float(r.split("|")[4]) > 0 and float(r.split("|")[5]) > 0 for r in timed), timed
+    assert len(timed) == 6 and all(float(r.split("|")[4]) > 0 and float(r.split("|")[5]) > 0 for r in timed), timed
     cudnn = [r for r in rows if "cudnn" in r]
     gpu = kernels.target_platform() == "gpu"
     assert all(("needs a CUDA GPU" in r) != gpu for r in cudnn), cudnn

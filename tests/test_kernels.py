@@ -177,8 +177,9 @@ AUTO = [  # platform, mask, dtype, head_dim -> kernel
     ("tpu", dict(is_causal=True, window=None, has_segments=True), BF16, 128, "splash"),
     ("tpu", dict(is_causal=True, window=(128, 0), has_segments=False), BF16, 128, "blockwise"),
     ("gpu", dict(is_causal=False, window=None, has_segments=False), BF16, 128, "cudnn"),
-    ("gpu", dict(is_causal=True, window=None, has_segments=False), BF16, 128, "blockwise"),
-    ("gpu", dict(is_causal=False, window=None, has_segments=False), F32, 128, "blockwise"),
+    ("gpu", dict(is_causal=True, window=None, has_segments=False), BF16, 128, "pallas_gpu"),
+    ("gpu", dict(is_causal=False, window=None, has_segments=False), F32, 128, "pallas_gpu"),
+    ("gpu", dict(is_causal=True, window=(64, 0), has_segments=True), BF16, 512, "blockwise"),
     ("cpu", dict(is_causal=False, window=None, has_segments=False), BF16, 64, "blockwise"),
 ]
 
@@ -272,7 +273,7 @@ def test_describe_says_what_auto_chose_and_why():
     assert kernels.describe(platform="tpu", is_causal=True, local_window_size=(128, 0)).startswith(
         "blockwise (auto on tpu: local_window_size=(128, 0) needs two bounds per query")
     assert kernels.describe(platform="gpu", kv_exchange="ring") == (
-        "blockwise (auto on gpu with kv_exchange='ring': the ring's steps merge log-sum-exps, "
+        "pallas_gpu (auto on gpu with kv_exchange='ring': the ring's steps merge log-sum-exps, "
         "which cuDNN does not return)")
     assert kernels.describe(platform="gpu") == "cudnn (auto on gpu)"
     assert kernels.describe(platform="cpu") == "blockwise (auto on cpu: the portable kernel)"

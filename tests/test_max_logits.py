@@ -130,7 +130,7 @@ def test_kernels_without_the_statistic_say_so():
         "blockwise (auto on tpu: the max-logit statistic (record_max_logits) is not among the splash kernel's "
         "outputs)")
     assert kernels.describe(platform="gpu", record_max_logits=True).startswith(
-        "blockwise (auto on gpu: jax.nn.dot_product_attention's cuDNN path does not return the max-logit")
+        "pallas_gpu (auto on gpu: jax.nn.dot_product_attention's cuDNN path does not return the max-logit")
     mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2)
     q, k, v, _ = random_qkv(B, S, H, 2, d)
     with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this call: the max-logit statistic"):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one device check on one GPU (see README "GPU"): the suite's one-device tests (-m gpu) on the
-# GPU, then the kernel benchmark (benchmarks/gpu_kernels.py: jax_cp's kernels vs cuDNN, causal bf16,
+# GPU (the fused Pallas kernel compiled by Triton included), then the kernel benchmark
+# (benchmarks/gpu_kernels.py: jax_cp's kernels, pallas_gpu among them, vs cuDNN, causal bf16,
 # S = 8K-64K). Runs with the machine's own python3 and its jax with the CUDA plugin (a GPU machine
 # here has no package index: nothing is installed; jax_cp runs from this checkout via PYTHONPATH).
 # Writes env.txt, tests.txt, kernels.log and kernels.md to $OUT (default ./gpu-check); about 5 min.
@@ -23,6 +24,7 @@ start=$SECONDS
 cat "$OUT/env.txt"
 
 timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --strict-markers" tests/test_gpu.py \
+    tests/test_pallas_gpu.py \
     > "$OUT/tests.txt" 2>&1
 echo "tests: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/tests.txt"
 tail -n 3 "$OUT/tests.txt"

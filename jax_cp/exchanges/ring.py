@@ -1,7 +1,7 @@
 """``Ring``: K/V rotate over ``cp_colossal``, queries stay, memory O(S/c) per device.
 
 Each of the ``c`` steps (a loop, so only one remote chunk is live) attends the
-local queries to the K/V chunk in hand (blockwise kernel; fully masked steps
+local queries to the K/V chunk in hand (the blockwise kernel, or splash / pallas_gpu; fully masked steps
 cost no block work), continuing the running online softmax, while ``lax.ppermute``
 already moves the next chunk (issued before the step's compute so the
 scheduler can overlap them). The ``custom_vjp`` backward rotates K/V the other way,
@@ -196,6 +196,7 @@ def ring_attention(
     q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_name: str, is_causal=False, local_window_size=None,
     scale=None, block_q: int | None = None, block_kv: int | None = None, logits_soft_cap=None, sinks=None,
     return_max_logits: bool = False, return_residual: bool = False, kv_seg_BT=None, kv_pos_BT=None,
+    kernel: str = "blockwise",
 ):
     """Attention of this device's chunk to every chunk on the ``axis_name`` ring (inside ``shard_map``).
 
@@ -208,10 +209,11 @@ def ring_attention(
     segment ids as keys, when they differ from ``seg_BT`` (its queries'; padding stated per side).
     Cross attention: ``k, v [B, S, K, d]`` are the device's chunk of other tokens (any length ``S``)
     at positions ``kv_pos_BT [B, S]`` (with ``kv_seg_BT`` when segments are given).
+    ``kernel="pallas_gpu"``: each step runs the fused Pallas GPU kernel (``jax_cp._pallas_gpu``).
     """
     spec = bw.make_spec(q_BTHd.shape[-1], is_causal=is_causal, local_window_size=local_window_size,
                         scale=scale, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap,
-                        return_max_logits=return_max_logits, return_residual=return_residual)
+                        return_max_logits=return_max_logits, return_residual=return_residual, kernel=kernel)
     pos = jnp.asarray(pos_BT, jnp.int32)
     seg, kv_seg, kv_pos = (None if a is None else jnp.asarray(a, jnp.int32) for a in (seg_BT, kv_seg_BT, kv_pos_BT))
     sinks = bw.varying_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos, seg)
@@ -227,21 +229,22 @@ class Ring(KVExchange):
     ties_chunks = False  # measured worse with the tie (v5e (2,4,2) 4 chunks 1.00 -> 0.77)
 
     def check_kernel(self, kernel: str) -> None:
-        if kernel not in ("auto", "blockwise", "splash"):
+        if kernel not in ("auto", "blockwise", "splash", "pallas_gpu"):
             raise ValueError(f"kernel={kernel!r} cannot run kv_exchange='ring', whose steps merge log-sum-exps "
-                             "(the blockwise and splash kernels return them); use kernel='auto', 'blockwise' or "
-                             "'splash' (or kv_exchange='all_gather').")
+                             "(the blockwise, splash and pallas_gpu kernels return them); use kernel='auto', "
+                             "'blockwise', 'splash' or 'pallas_gpu' (or kv_exchange='all_gather').")
 
     def step_kernel(self, chosen: str) -> tuple[str, str]:
-        if chosen in ("splash", "blockwise"):
+        if chosen in ("splash", "blockwise", "pallas_gpu"):
             return chosen, ""
         name = {"cudnn": "cuDNN"}.get(chosen, chosen)
-        return "blockwise", f"the ring's steps merge log-sum-exps, which {name} does not return"
+        runs = "pallas_gpu" if chosen == "cudnn" else "blockwise"  # cuDNN was chosen on a GPU
+        return runs, f"the ring's steps merge log-sum-exps, which {name} does not return"
 
     def kernel(self, spec, q_BTHd, has_segments: bool) -> str:
         """The kernel each ring step runs: ``auto`` is splash on TPU when the call is expressible
-        there (no window, no max-logit statistic), blockwise otherwise; an explicit choice that
-        cannot serve raises."""
+        there (no window, no max-logit statistic), pallas_gpu on GPU, blockwise otherwise; an
+        explicit choice that cannot serve raises."""
         chosen = _kernels.select_kernel(spec.kernel, platform=_kernels.target_platform(), is_causal=spec.is_causal,
                                         window=normalize_window(spec.local_window_size), has_segments=has_segments,
                                         dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1],
@@ -252,7 +255,8 @@ class Ring(KVExchange):
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
         pos, seg = seq_chunk(meta.pos, (COLOSSAL,)), seq_chunk(meta.seg, (COLOSSAL,))
         kv_seg, kv_pos = seq_chunk(meta.kv_seg, (COLOSSAL,)), seq_chunk(meta.kv_pos, (COLOSSAL,))
-        if self.kernel(spec, q_BTHd, seg is not None) == "splash":
+        step = self.kernel(spec, q_BTHd, seg is not None)
+        if step == "splash":
             return splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL,
                                          is_causal=spec.is_causal, scale=spec.scale,
                                          logits_soft_cap=spec.logits_soft_cap, sinks=sinks, kv_seg_BT=kv_seg,
@@ -261,4 +265,4 @@ class Ring(KVExchange):
                               local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q,
                               block_kv=spec.block_kv, logits_soft_cap=spec.logits_soft_cap, sinks=sinks,
                               return_max_logits=spec.record_max_logits, return_residual=spec.return_residual,
-                              kv_seg_BT=kv_seg, kv_pos_BT=kv_pos)
+                              kv_seg_BT=kv_seg, kv_pos_BT=kv_pos, kernel=step)
