@@ -76,6 +76,19 @@ class CPAttention(nnx.Module):
         itemsize = jnp.dtype(self.dtype or jnp.float32).itemsize
         return self.spec.resolve(self.mesh, batch=batch, seq_len=seq_len, itemsize=itemsize)
 
+    def set_view(self, decode: bool | None = None, batch_size: int | None = None, max_length: int | None = None):
+        """``nnx.view(model, decode=True[, batch_size=B, max_length=L])`` (flax's convention): a view in
+        decode mode, its cache created by ``init_cache`` when it has none yet."""
+        if decode is None:
+            return
+        self.decode = decode
+        if decode and getattr(self, "cached_key", None) is None:
+            if batch_size is None or max_length is None:
+                raise ValueError(f"nnx.view(..., decode=True) on a layer with no cache needs batch_size= and "
+                                 f"max_length= (got batch_size={batch_size}, max_length={max_length}), or call "
+                                 "init_cache first.")
+            self.init_cache((batch_size, max_length))
+
     def init_cache(self, input_shape, dtype=None):
         """Creates the KV cache for ``decode=True`` calls, already sharded (``jax_cp._decode``): ``input_shape``
         is ``(batch_size, max_length)`` or flax's ``(batch_size, max_length, in_features)``; ``dtype``

@@ -132,6 +132,22 @@ def test_bad_inference_input_is_a_value_error(call, match):
         call(m, x)
 
 
+def test_nnx_view_switches_a_model_to_decode():
+    m = _layer(2, 2, 2)
+    x = jax.random.normal(jax.random.key(3), (2, 17, D))
+    full = m(jnp.pad(x, ((0, 0), (0, 7), (0, 0))))
+    m.init_cache((2, 24))
+    m(x[:, :16], prefill=True)
+    decoding = nnx.view(m, decode=True)  # flax's way: the static attribute, the same variables
+    y = decoding(x[:, 16:17])
+    assert decoding.decode and not m.decode and int(m.cache_index[...][0]) == 17
+    assert float(jnp.abs(y[:, 0] - full[:, 16]).max()) < TOL
+    fresh = nnx.view(_layer(2, 2, 2), decode=True, batch_size=2, max_length=24)
+    assert fresh.cached_key.shape == (2, 24, 2, 8)
+    with pytest.raises(ValueError, match=r"needs batch_size= and max_length="):
+        nnx.view(_layer(2, 2, 2), decode=True)
+
+
 def test_non_causal_layer_refuses_decode():
     mesh = jax_cp.make_mesh(cp_ulysses=2)
     m = jax_cp.CPAttention(4, D, mesh=mesh, rngs=nnx.Rngs(0))

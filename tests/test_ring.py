@@ -100,7 +100,7 @@ def test_ring_errors():
     mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
     q, k, v, _ = random_qkv(B, S, H, 2, d)
     with pytest.raises(ValueError, match=r"kernel='xla' cannot run kv_exchange='ring'.*use kernel='auto', "
-                                         r"'blockwise' or 'splash'"):
+                                         r"'blockwise', 'splash' or 'pallas_gpu'"):
         jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="ring", kernel="xla")
     with pytest.raises(ValueError, match=r"kernel='xla' cannot run kv_exchange='ring'"):  # at construction
         jax_cp.CPAttention(8, 16, mesh=mesh, kv_exchange="ring", kernel="xla", rngs=nnx.Rngs(0))

@@ -193,6 +193,6 @@ def test_cudnn_cannot_take_sinks_and_auto_says_so():
         kernels.select_kernel("cudnn", platform="gpu", is_causal=False, window=None, has_segments=False,
                               dtype=jnp.bfloat16, head_dim=64, sinks=True)
     assert kernels.describe(platform="gpu", use_sinks=True) == (
-        "blockwise (auto on gpu: attention sinks are not an option of jax.nn.dot_product_attention's cuDNN path)")
+        "pallas_gpu (auto on gpu: attention sinks are not an option of jax.nn.dot_product_attention's cuDNN path)")
     assert kernels.describe(platform="tpu", use_sinks=True) == "splash (auto on tpu)"
     assert kernels.describe(platform="tpu", use_sinks=True, kv_exchange="ring") == "splash (auto on tpu)"

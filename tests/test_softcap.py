@@ -101,6 +101,6 @@ def test_cudnn_cannot_cap_and_auto_says_so():
         kernels.select_kernel("cudnn", platform="gpu", is_causal=False, window=None, has_segments=False,
                               dtype=jnp.bfloat16, head_dim=64, soft_cap=True)
     assert kernels.describe(platform="gpu", logits_soft_cap=30.0) == (
-        "blockwise (auto on gpu: logits_soft_cap is not an option of jax.nn.dot_product_attention's cuDNN path)")
+        "pallas_gpu (auto on gpu: logits_soft_cap is not an option of jax.nn.dot_product_attention's cuDNN path)")
     assert kernels.describe(platform="gpu") == "cudnn (auto on gpu)"
     assert kernels.describe(platform="tpu", logits_soft_cap=30.0) == "splash (auto on tpu)"
