@@ -35,10 +35,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_cp import kernels as _kernels
 from jax_cp._blockwise import fold_sinks
-from jax_cp._masks import visible
 from jax_cp._body import attention_shard, shard_call, shard_meta
+from jax_cp._masks import visible
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place, seq_chunk
-from jax_cp._projection import LinearProjections, _local_kv, _per_token, _proj, _varying
+from jax_cp._projection import LinearProjections, _local_kv, _per_token, _proj
 from jax_cp._spec import Layout, lcm
 
 __all__ = ["CACHE_FIELDS", "EMPTY", "CacheLayout", "cache_layout", "decode_step", "init_cache", "prefill"]

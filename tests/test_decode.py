@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
 
 import jax_cp
 from models import generate as gen_lib
