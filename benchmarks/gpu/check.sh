@@ -4,7 +4,8 @@
 # (benchmarks/gpu_kernels.py: jax_cp's kernels, pallas_gpu among them, vs cuDNN, causal bf16,
 # S = 8K-64K). Runs with the machine's own python3 and its jax with the CUDA plugin (a GPU machine
 # here has no package index: nothing is installed; jax_cp runs from this checkout via PYTHONPATH).
-# Writes env.txt, tests.txt, kernels.log and kernels.md to $OUT (default ./gpu-check); about 5 min.
+# Writes env.txt, tests.txt, kernels.log and kernels.md to $OUT (default ./gpu-check); about 5 min,
+# at most 7.5 (each step has its timeout: 240 s of tests, 210 s of benchmark).
 #
 #   bash benchmarks/gpu/check.sh                                    # on the GPU machine
 #   CHECK_PLATFORM=cpu CHECK_QUICK=1 bash benchmarks/gpu/check.sh   # the same steps on a CPU (smoke run)
@@ -23,7 +24,7 @@ start=$SECONDS
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --strict-markers" tests/test_gpu.py \
+timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --strict-markers" tests/test_gpu.py \
     tests/test_pallas_gpu.py \
     > "$OUT/tests.txt" 2>&1
 echo "tests: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/tests.txt"
@@ -31,6 +32,6 @@ tail -n 3 "$OUT/tests.txt"
 
 quick=()
 [ -n "${CHECK_QUICK:-}" ] && quick=(--quick)
-timeout 300 "$PY" benchmarks/gpu_kernels.py "${quick[@]}" --out "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1
+timeout 210 "$PY" benchmarks/gpu_kernels.py "${quick[@]}" --out "$OUT/kernels.md" > "$OUT/kernels.log" 2>&1
 echo "kernels: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/kernels.log"
 cat "$OUT/kernels.md" 2>/dev/null
