@@ -28,7 +28,7 @@ import jax_cp
 from models import data as data_lib
 from models.llama import Llama, Sharding, get_config
 
-__all__ = ["GenerateConfig", "Generator", "load_model", "main", "sample_logits"]
+__all__ = ["GenerateConfig", "Generator", "load_model", "main", "sample_logits", "serving_params"]
 
 PROG = "python -m models.generate"
 
@@ -148,10 +148,27 @@ def sample_logits(logits_BV, key, temperature: float, top_k: int | None):
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def serving_params(params, dtype):
+    """The weight matrices (every parameter of 2 or more dims but the embedding table) in the compute
+    ``dtype``, once: each decode step then reads half the bytes of float32 weights, and the outputs are
+    unchanged, since every matmul casts its weight to that dtype anyway. The embedding table (its rows
+    enter the float32 residual stream), norms and sinks keep their dtype."""
+    def cast(path, x):
+        keep = len(x.shape) < 2 or getattr(path[0], "key", None) == "embed" or not jnp.issubdtype(x.dtype, jnp.floating)
+        if keep:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):  # planning: shapes only
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 class Generator:
     """Compiled prefill and decode steps of ``model`` for ``batch`` sequences and a ``max_length`` cache.
 
-    Each step's cache is donated: XLA updates it in place (one copy of the cache, ever)."""
+    Each step's cache is donated: XLA updates it in place (one copy of the cache, ever). The weights
+    are held in the model's compute dtype (``serving_params``)."""
 
     def __init__(self, model, *, batch: int, prompt_len: int, max_length: int, temperature=0.0, top_k=None):
         dims = jax_cp.mesh_dims(model.mesh)
@@ -161,7 +178,8 @@ class Generator:
             raise ValueError(f"the prompt ({prompt_len} tokens, padded to {self.prefill_len}) is longer than "
                              f"max_length={max_length}; raise --max-length.")
         model.init_cache(batch, max_length)
-        self.graphdef, self.params, self.cache = nnx.split(model, nnx.Param, nnx.Cache)
+        self.graphdef, params, self.cache = nnx.split(model, nnx.Param, nnx.Cache)
+        self.params = serving_params(params, model.dtype)
         sample = lambda logits, key: sample_logits(logits, key, temperature, top_k)
 
         def prefill(params, cache, tokens, lengths, key):
@@ -257,7 +275,7 @@ def plan_decode(cfg: GenerateConfig):
     with jax.set_mesh(mesh):
         graphdef, params, cache = nnx.split(nnx.eval_shape(build), nnx.Param, nnx.Cache)
     sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, a.sharding.spec))
-    params, cache = jax.tree.map(sds, params), jax.tree.map(sds, cache)
+    params, cache = serving_params(jax.tree.map(sds, params), jnp.dtype(cfg.dtype)), jax.tree.map(sds, cache)
     tok = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=NamedSharding(mesh, P("dp", None)))
 
     def step(params, cache, tok_BT):

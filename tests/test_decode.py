@@ -319,3 +319,16 @@ def test_both_cache_attention_forms_match_the_reference():
         o, lse = attend_cache(q, k, v, q_pos, k_pos, spec, form=form)
         np.testing.assert_allclose(o, ref_o, atol=TOL, rtol=TOL)
         np.testing.assert_allclose(lse, ref_lse, atol=TOL, rtol=TOL)
+
+
+def test_serving_weights_are_cast_once_and_change_no_output():
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    model = llama.Llama(CFG, mesh=mesh, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    params = gen_lib.serving_params(nnx.state(model, nnx.Param), jnp.bfloat16)
+    dtypes = {"/".join(map(str, k)): v.dtype for k, v in nnx.to_flat_state(params)}
+    assert dtypes["blocks/0/attn/q_kernel"] == dtypes["blocks/1/mlp/w_down"] == jnp.bfloat16
+    assert dtypes["embed"] == dtypes["blocks/0/attn/q_norm"] == dtypes["final_norm/scale"] == jnp.float32
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (1, 16)), jnp.int32)
+    before = model(tokens, positions=jnp.arange(16))
+    nnx.update(model, params)
+    np.testing.assert_allclose(np.asarray(model(tokens, positions=jnp.arange(16))), np.asarray(before), atol=1e-6)
