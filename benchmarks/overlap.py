@@ -13,7 +13,8 @@ attention layer (D=4096, 32 heads, 8 kv heads, head dim 128, bf16, causal, RoPE)
   first chunk only (``cp-fused1``, ``cp-ring-fused1``, 2 and 4 chunks);
 
 and prints a markdown table: overlap fraction forward / backward (share of CP
-collective bytes with a matmul scheduled between start and done), per-device
+collective bytes with a matmul scheduled between start and done), the share of their estimated
+transfer time that compute covers (`plan.Analysis.covered`), per-device
 memory and the planner's step-time estimate. Measures only; asserts nothing.
 
     JAX_PLATFORMS=cpu python benchmarks/overlap.py                 # v5e:4x4 and v5p:4x4x4
@@ -93,8 +94,8 @@ def main(argv=None):
     spec = plan.MODELS["llama3-8b"]
     if not args.digest:
         print("| topology | layout (c,u,t) dp | B, S | variant | chunks | overlap fwd | overlap bwd | "
-              "memory/device | est. step | compile |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "time covered fwd / bwd | memory/device | est. step | compile |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
     for topo in args.topology or list(CASES):
         batch, seq_len, layouts = CASES[topo]
         seq_len = args.seq_len or seq_len
@@ -136,7 +137,7 @@ def main(argv=None):
                     fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
                     print(f"| {topo} | {name} ({c},{u},{t}) dp={mesh.shape['dp']} | {batch}, {seq_len} | {label} | "
                           f"{chunks} | {fmt(a.overlap('fwd'))} | {fmt(a.overlap('bwd'))} | "
-                          f"{a.memory.total / 2**30:.2f} GiB | {a.estimate.step_s * 1e3:.2f} ms | "
+                          f"{fmt(a.covered('fwd'))} / {fmt(a.covered('bwd'))} | {a.memory.total / 2**30:.2f} GiB | {a.estimate.step_s * 1e3:.2f} ms | "
                           f"{time.perf_counter() - t0:.0f} s |", flush=True)
 
 

@@ -110,6 +110,12 @@ def test_parser_on_hand_written_hlo():
     # A reduction no matmul consumes (a parameter gradient) is not a CP exchange.
     assert ar.axes == ("cp_colossal", "cp_ulysses", "tp") and not ar.feeds_compute and not s.is_cp(ar)
     assert not rs.feeds_compute and not s.is_cp(rs) and ag.feeds_compute and s.is_cp(ag)
+    # FLOPs of the compute inside, from the shapes: one [8,16] x [16,16] matmul each.
+    assert a2a.flops_inside == ag.flops_inside == 2 * 8 * 16 * 16 and a2a_bwd.flops_inside == 0
+    # Transfer time covered: 128 wire bytes at 1 MB/s = 128 us each, the matmul 4.1 us at 1 GFLOP/s.
+    assert s.time_covered("fwd", flops_per_s=1e9, bytes_per_s=1e6) == pytest.approx(4096 / 1e9 / 128e-6)
+    assert s.time_covered("fwd", flops_per_s=1e9, bytes_per_s=1e12) == 1.0  # a short enough transfer is covered
+    assert s.time_covered("bwd", flops_per_s=1e9, bytes_per_s=1e12) == 0.0  # nothing inside the backward one
     # Overlap fraction = overlapped bytes / all CP bytes, per phase.
     assert s.overlap_fraction("fwd") == 1.0
     assert s.overlap_fraction("bwd") == 0.0

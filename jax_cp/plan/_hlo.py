@@ -34,7 +34,7 @@ import numpy as np
 
 from jax_cp.plan._hlo_text import Instr, _balanced, array_bytes, parse_module, tuple_element
 
-__all__ = ["Instr", "Collective", "Schedule", "parse_module", "analyze_schedule", "COLLECTIVE_KINDS"]
+__all__ = ["Instr", "Collective", "Schedule", "parse_module", "analyze_schedule", "instr_flops", "COLLECTIVE_KINDS"]
 
 COLLECTIVE_KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 PHASES = ("fwd", "bwd")
@@ -65,6 +65,7 @@ class Collective:
     feeds_compute: bool = True  # some matmul/kernel consumes its result (directly or not)
     in_loop: bool = False  # scheduled in a loop body: bytes are per iteration
     iterations: int = 1  # how often it runs: the trip counts of the loops around it (1 when not readable)
+    flops_inside: float | None = 0.0  # FLOPs of the matmuls between start and done; None: a kernel is among them
 
     def __post_init__(self):
         if self.kind not in COLLECTIVE_KINDS:
@@ -120,6 +121,22 @@ class Schedule:
 
     def kinds(self, *, cp_only: bool = True) -> set[str]:
         return {c.kind for c in self.select(cp_only=cp_only)}
+
+    def time_covered(self, phase: str | None = None, *, flops_per_s: float, bytes_per_s: float,
+                     cp_only: bool = True) -> float | None:
+        """Share of the selected collectives' estimated transfer time (wire bytes / ``bytes_per_s``)
+        that the compute scheduled inside them covers (its FLOPs / ``flops_per_s``; a Pallas kernel
+        inside, whose FLOPs the HLO does not state, counts as covering all). ``None``: no transfer."""
+        sel = [c for c in self.select(phase, cp_only=cp_only) if c.wire_bytes > 0]
+        total = sum(c.wire_bytes * c.iterations / bytes_per_s for c in sel)
+        if not total:
+            return None
+        covered = 0.0
+        for c in sel:
+            t = c.wire_bytes * c.iterations / bytes_per_s
+            if c.overlapped:
+                covered += t if c.flops_inside is None else min(t, c.flops_inside * c.iterations / flops_per_s)
+        return covered / total
 
 
 class _Module:
@@ -426,6 +443,7 @@ def _collectives_of(mod, comp, mesh_shape, axis_names) -> list[Collective]:
             end = done_at.get(i.name, len(instrs))
             inside = tuple(instrs[k].name for k in range(pos + 1, end) if is_compute[k])
             c = _describe(mod, comp, i, names, instrs, end, inside, True, mesh_shape, axis_names)
+            c = dataclasses.replace(c, flops_inside=_sum_flops(mod, comp, [names[n] for n in inside]))
             result = instrs[end].name if end < len(instrs) else i.name
         elif role == "sync":
             c = _describe(mod, comp, i, names, instrs, pos, (), False, mesh_shape, axis_names)
@@ -434,6 +452,56 @@ def _collectives_of(mod, comp, mesh_shape, axis_names) -> list[Collective]:
             continue
         out.append(dataclasses.replace(c, feeds_compute=feeds.get(result, False)))
     return out
+
+
+_DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
+_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+
+
+def _dims(shape: str) -> list[int]:
+    m = re.search(r"\[([0-9,]*)\]", shape)
+    return [int(x) for x in m.group(1).split(",") if x] if m else []
+
+
+def instr_flops(mod, comp: str, i: Instr, depth: int = 0) -> float | None:
+    """Estimated FLOPs of one instruction from its shapes: a convolution ``2 x output elements x the
+    kernel's input-feature and window sizes``, a dot ``2 x output elements x the contracted sizes``;
+    fusions, calls and loop bodies sum what they hold (a body once per trip when readable). ``None``
+    when a kernel custom call is among them (its FLOPs are not in the HLO); 0 for anything else."""
+    table = mod.by_name.get(comp, {})
+    operands = i.refs or i.operands
+    if i.opcode == "convolution" and len(operands) == 2:
+        labels = _DIM_LABELS.search(i.attrs)
+        rhs = _dims(_operand_shape(table, operands[1]))
+        if labels is None or len(labels.group(2)) != len(rhs):
+            return 0.0
+        return 2.0 * math.prod(_dims(i.shape)) * math.prod(n for n, l in zip(rhs, labels.group(2)) if l == "i" or l.isdigit())
+    if i.opcode == "dot" and operands:
+        lhs, contracting = _dims(_operand_shape(table, operands[0])), _LHS_CONTRACTING.search(i.attrs)
+        ks = [int(k) for k in contracting.group(1).split(",") if k] if contracting else []
+        return 2.0 * math.prod(_dims(i.shape)) * math.prod(lhs[k] for k in ks if k < len(lhs))
+    if i.opcode == "custom-call" and _KERNEL_TARGETS.search(i.target):
+        return None
+    if depth > 8 or not i.called:
+        return 0.0
+    trips = mod.iterations() if i.opcode == "while" else {}
+    total = 0.0
+    for c in i.called:
+        inner = _sum_flops(mod, c, mod.comps.get(c, ()), depth + 1)
+        if inner is None:
+            return None
+        total += inner * (trips.get(c, 1) or 1)
+    return total
+
+
+def _sum_flops(mod, comp: str, instrs, depth: int = 0) -> float | None:
+    total = 0.0
+    for i in instrs:
+        f = instr_flops(mod, comp, i, depth)
+        if f is None:
+            return None
+        total += f
+    return total
 
 
 def _describe(mod, comp, i, names, instrs, done_pos, inside, is_async, mesh_shape, axis_names) -> Collective:

@@ -69,6 +69,7 @@ class Analysis:
     model_flops: float | None = None  # counted from the shapes (plan._auto.layer_flops), not by the compiler
     executed_flops: float | None = None  # the same plus the kernels' backward recomputation
     peak_flops: float | None = None  # the chip's, for the MFU estimate
+    time_covered: tuple = (None, None, None)  # fwd, bwd, both: share of CP transfer time compute covers
 
     def with_shape_flops(self, model: float, executed: float, chip: Chip) -> "Analysis":
         """This analysis with FLOPs counted from the shapes; compute time is the larger count over
@@ -95,6 +96,11 @@ class Analysis:
         """Share of context-parallel collective bytes with compute scheduled inside (fwd/bwd/all)."""
         return self.schedule.overlap_fraction(phase)
 
+    def covered(self, phase: str | None = None) -> float | None:
+        """Share of the CP collectives' estimated transfer time that the compute scheduled inside them
+        covers (``Schedule.time_covered`` at the chip's peaks; fwd/bwd/all). An estimate."""
+        return self.time_covered[{"fwd": 0, "bwd": 1, None: 2}[phase]]
+
     def __str__(self) -> str:
         return format_programs([self])
 
@@ -117,8 +123,10 @@ def analysis_of(label: str, compiled, schedule: Schedule, chip: Chip, budget: in
         compute_s=flops / chip.device_flops, memory_s=accessed / chip.device_hbm_bandwidth,
         comm_s=sum(comm), exposed_comm_s=sum(exposed),
     )
+    covered = tuple(schedule.time_covered(ph, flops_per_s=chip.device_flops, bytes_per_s=chip.device_ici_bandwidth)
+                    for ph in ("fwd", "bwd", None))
     return Analysis(label=label, memory=memory, flops=flops, bytes_accessed=accessed, schedule=schedule,
-                    estimate=estimate, compile_s=compile_s)
+                    estimate=estimate, compile_s=compile_s, time_covered=covered)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -200,6 +208,8 @@ def format_programs(programs: list[Analysis], grouped: bool = False) -> str:
         ("overlap fraction fwd", lambda p: _f(p.overlap("fwd"))),
         ("overlap fraction bwd", lambda p: _f(p.overlap("bwd"))),
         ("overlap fraction fwd+bwd", lambda p: _f(p.overlap())),
+        ("CP transfer time covered fwd", lambda p: _f(p.covered("fwd"))),
+        ("CP transfer time covered bwd", lambda p: _f(p.covered("bwd"))),
         ("est. compute (FLOPs/peak)", lambda p: _ms(p.estimate.compute_s)),
         ("est. HBM traffic time", lambda p: _ms(p.estimate.memory_s)),
         ("est. communication (all)", lambda p: _ms(p.estimate.comm_s)),
@@ -220,7 +230,9 @@ def format_programs(programs: list[Analysis], grouped: bool = False) -> str:
 
 _FOOTER = ["", "Times are estimates from published per-chip peaks (bf16 FLOP/s, HBM and ICI bandwidth),",
            "not measurements. A collective counts as overlapped when a matmul/convolution is scheduled",
-           "between its start and done; fwd/bwd come from JAX's op names (transpose(...) = backward)."]
+           "between its start and done; fwd/bwd come from JAX's op names (transpose(...) = backward).",
+           "Transfer time covered: per CP collective, min(1, FLOPs of the matmuls inside / peak over its",
+           "wire bytes / ICI bandwidth), weighted by transfer time (a Pallas kernel inside counts as covering)."]
 
 
 def _listed_collectives(a: Analysis) -> list[str]:
