@@ -14,7 +14,7 @@ import dataclasses
 
 from jax_cp.exchanges import AllGather, AllToAll, KVExchange, Ring
 
-__all__ = ["AUTO", "Choice", "choose", "chip_of", "int_or_auto", "RULES"]
+__all__ = ["AUTO", "Choice", "choose", "chip_of", "int_or_auto", "RULES", "SPLASH_RULES"]
 
 AUTO = "auto"
 KV_MEMORY_SHARE = 0.25  # gathered K/V (and their float32 gradients) beyond this share of HBM: the ring
@@ -43,6 +43,17 @@ RULES = {
         "hybrid": (Ring(), 2, 2, "v5p (4,4,4) 1.00 / 0.95"),
     },
 }
+# With the splash kernel in the layer (what kernel="auto" runs on TPU): its custom calls schedule
+# differently from the blockwise kernel's fusions, so the rule was measured again with it
+# (benchmarks/RESULTS.md, "Defaults with splash"); kinds absent here keep the blockwise entry.
+SPLASH_RULES = {
+    # Nothing measured reaches 0.95 / 0.95 with splash on v5e Ulysses; this grouping has the best worst
+    # case (bytes and transfer time) and the lowest estimated step of those that chunk.
+    "v5e": {"ulysses": (AllGather(), 2, 1, "v5e (1,4,2) with splash 0.83 / 0.83 (transfer time 0.83 / 0.83)"),
+            "hybrid": (AllToAll(), 2, 0, "v5e (2,2,4) with splash 0.88 / 1.00 (transfer time 0.90 / 1.00)")},
+    "v5p": {"ulysses": (AllGather(), 2, 2, "v5p (1,4,4) with splash 0.88 / 1.00 (transfer time 0.50 / 1.00)"),
+            "hybrid": (Ring(), 2, 1, "v5p (4,4,4) with splash 1.00 / 0.93 (transfer time 0.77 / 0.93)")},
+}
 # Not measured: other TPU generations take the v5e rule (the same lite-chip scheduler flags).
 TPU_FALLBACK = "v5e"
 
@@ -69,11 +80,13 @@ def _divisor_at_most(n: int, limit: int) -> int:
 
 
 def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads: int,
-           kv_bytes_per_device: float | None = None, hbm_bytes: float | None = None) -> Choice:
+           kv_bytes_per_device: float | None = None, hbm_bytes: float | None = None,
+           kernel: str = "blockwise") -> Choice:
     """The grouping for a layout (pure: no devices needed; tests call it per platform and layout).
 
     ``kv_bytes_per_device``: all-gathered K/V of one layer on one device; with
-    ``hbm_bytes`` it decides whether the O(S/c) ring is needed.
+    ``hbm_bytes`` it decides whether the O(S/c) ring is needed. ``kernel``: the local kernel the
+    layer runs (``"splash"`` takes ``SPLASH_RULES`` where they have the layout kind).
     """
     if c == 1 and u == 1:
         return Choice(AllGather(), 1, 0, "no context parallelism: nothing to hide")
@@ -82,6 +95,8 @@ def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads
         return Choice(AllGather(), 1, 0, f"{platform}: the plain layer (no measured gain from chunking)")
     kind = "ulysses" if c == 1 else "colossal" if u == 1 else "hybrid"
     table = RULES.get(chip) or RULES[TPU_FALLBACK]
+    if kernel == "splash":
+        table = table | SPLASH_RULES.get(chip if chip in RULES else TPU_FALLBACK, {})
     exchange, n, fused, measured = table[kind]
     why = f"measured {measured}" + ("" if chip in RULES else f" (chip {chip or 'unknown'}: the {TPU_FALLBACK} rule)")
     if c > 1 and exchange != Ring() and kv_bytes_per_device and hbm_bytes \

@@ -145,7 +145,7 @@ class AttentionSpec:
             kv_bytes = (batch // dims.dp) * seq_len * kv_local * (self.head_dim + self.v_head_dim) * itemsize
             hbm = _hbm_bytes(chip)
         c = choose(platform=platform, chip=chip, c=dims.c, u=dims.u, t=dims.t, num_heads=self.num_heads,
-                   kv_bytes_per_device=kv_bytes, hbm_bytes=hbm)
+                   kv_bytes_per_device=kv_bytes, hbm_bytes=hbm, kernel=self._tpu_kernel(platform))
         ex = self.kv_exchange
         if ex == AUTO:  # the rule's exchange, unless an explicit kernel or fusing rules it out
             ex = c.kv_exchange
@@ -158,6 +158,13 @@ class AttentionSpec:
         if f == AUTO:
             f = min(c.fused_qkv_chunks, n) if ex.fuses_qkv else 0
         return self.replace(kv_exchange=ex, overlap_chunks=n, fused_qkv_chunks=f), c
+
+    def _tpu_kernel(self, platform: str) -> str:
+        """The local kernel the layer runs on ``platform`` as the rule sees it: splash where ``auto`` (or
+        an explicit ``"splash"``) runs it on a TPU, else blockwise (the schedules differ: separate rules)."""
+        splash = _kernels.splash_unsupported_reason(window=self.local_window_size, max_logits=self.record_max_logits,
+                                                    residual=self.return_residual) is None
+        return "splash" if platform == "tpu" and self.kernel in ("auto", "splash") and splash else "blockwise"
 
     def layout(self, dims: MeshDims) -> "Layout":
         """How the heads land on a mesh of ``dims``; a ValueError when they do not divide."""

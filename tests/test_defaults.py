@@ -135,6 +135,8 @@ def test_defaults_hide_the_hybrid_layer_in_the_tpu_schedule():
     assert len(bwd_ulysses) == 4 and all(c.is_async for c in bwd_ulysses), [(c.name, c.is_async) for c in bwd_ulysses]
     _, plain_cp, plain = _overlaps((2, 2, 2), **PLAIN)
     assert overlap == (1.0, 1.0) and plain[0] < 0.5 and not all(c.overlapped for c in plain_cp)
+    # In time too: the matmuls inside cover at least 0.9 of each direction's estimated transfer time.
+    assert r.analysis.covered("fwd") >= 0.9 and r.analysis.covered("bwd") >= 0.9, r.analysis.time_covered
 
 
 def test_defaults_chunk_the_ulysses_layer_in_the_tpu_schedule():
@@ -163,3 +165,19 @@ def test_recommended_flags_for_this_host():
     assert set(plan.recommended_xla_flags("tpu", chip="v5e")) - {"--xla_tpu_enable_async_all_to_all=true"} <= set(flags)
     _, v5p = plan.apply_for_this_host({"TPU_ACCELERATOR_TYPE": "v5p-128"})
     assert set(v5p.split()) == set(plan.recommended_xla_flags("tpu", chip="v5p"))
+
+
+def test_splash_layers_take_the_rule_measured_with_splash():
+    """The rule is per kernel: with splash in the layer (what kernel="auto" runs on a TPU) the v5e Ulysses
+    grouping is the one measured with splash; layouts splash was not re-measured for keep the blockwise one;
+    a windowed layer (blockwise on TPU) keeps the blockwise rule."""
+    splash = choose(platform="tpu", chip="v5e", c=1, u=4, t=2, num_heads=32, kernel="splash")
+    blockwise = choose(platform="tpu", chip="v5e", c=1, u=4, t=2, num_heads=32)
+    assert (splash.overlap_chunks, splash.fused_qkv_chunks, blockwise.overlap_chunks) == (2, 1, 4)
+    assert "with splash" in splash.why and "with splash" not in blockwise.why
+    colossal = choose(platform="tpu", chip="v5e", c=4, u=1, t=4, num_heads=32, kernel="splash")
+    assert colossal == choose(platform="tpu", chip="v5e", c=4, u=1, t=4, num_heads=32)
+    spec = jax_cp.AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, is_causal=True)
+    assert spec._tpu_kernel("tpu") == "splash" and spec._tpu_kernel("gpu") == "blockwise"
+    assert spec.replace(local_window_size=(128, 0))._tpu_kernel("tpu") == "blockwise"
+    assert spec.replace(kernel="blockwise")._tpu_kernel("tpu") == "blockwise"
