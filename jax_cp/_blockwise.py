@@ -21,7 +21,7 @@ from jax import lax
 from jax_cp._masks import Window, normalize_window, visible
 
 __all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "auto_blocks", "check_block", "check_soft_cap",
-           "check_sinks", "varying_sinks", "fold_sinks", "head_max", "sinks_grad", "forward", "backward", "varying", "vary_as", "vma", "NEG"]
+           "check_sinks", "varying_sinks", "fold_sinks", "merge_softmax", "head_max", "sinks_grad", "forward", "backward", "varying", "vary_as", "vma", "NEG"]
 
 NEG = -1e30  # finite minus-infinity: masked scores, and the lse of rows that see no key
 _IMAX, _IMIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
@@ -233,6 +233,14 @@ def fold_sinks(o, lse, sinks_H, head_axis: int = -1):
         return o, lse
     new = jnp.logaddexp(lse, _sink_like(sinks_H, lse, head_axis))
     return o * jnp.exp(lse - new)[..., None], new
+
+
+def merge_softmax(a, b):
+    """Two partial softmaxes ``(o, lse)`` (float32) over disjoint keys -> the softmax over both (a
+    ring step's merge of its chunk into what earlier chunks gave)."""
+    (o0, lse0), (o1, lse1) = a, b
+    new = jnp.logaddexp(lse0, lse1)
+    return o0 * jnp.exp(lse0 - new)[..., None] + o1 * jnp.exp(lse1 - new)[..., None], new
 
 
 def sinks_grad(sinks_H, lse, delta, head_axis: int = -1):

@@ -172,8 +172,19 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_
     dk_ref[...], dv_ref[...] = carry
 
 
-def _specs_q(st, bq, d):  # [B, T, H, d] by query block and head
-    return pl.BlockSpec((None, bq, None, d), lambda b, h, i: (b, i, h, 0))
+def _query_block_specs(G: int, bq: int, Sp: int):
+    """BlockSpecs of a program that owns one query block of one head (grid ``(B, H, T/bq)``): its
+    ``[B, T, H, dim]`` rows, the whole ``[B, S, K, dim]`` keys of its kv head, its ``[B, T]`` metadata
+    rows, all ``[B, S]`` key metadata, its ``[B, H, T]`` statistics."""
+    rows = lambda dim: pl.BlockSpec((None, bq, None, dim), lambda b, h, i: (b, i, h, 0))
+    kv = lambda dim: pl.BlockSpec((None, Sp, None, dim), lambda b, h, i: (b, 0, h // G, 0))
+    meta_rows, meta_keys = pl.BlockSpec((None, bq), lambda b, h, i: (b, i)), pl.BlockSpec((None, Sp), lambda b, h, i: (b, 0))
+    stat = pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))
+    return rows, kv, meta_rows, meta_keys, stat
+
+
+def _f32(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
 
 
 def _call(kernel, st, grid, in_specs, out_specs, out_shape, name, *args):
@@ -195,14 +206,10 @@ def _call(kernel, st, grid, in_specs, out_specs, out_shape, name, *args):
 def _fwd_call(st: _Static, q, k, v, qpos, kpos, qseg, kseg):
     B, Tp, H, d = q.shape
     Sp, dv = k.shape[1], v.shape[-1]
-    G, bq = st.G, st.bq
-    rows = pl.BlockSpec((None, bq), lambda b, h, i: (b, i))
-    keys = pl.BlockSpec((None, Sp), lambda b, h, i: (b, 0))
-    kv = lambda dim: pl.BlockSpec((None, Sp, None, dim), lambda b, h, i: (b, 0, h // G, 0))
-    stat = pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    return _call(_fwd_kernel, st, (B, H, Tp // bq), [_specs_q(st, bq, d), kv(d), kv(dv), rows, keys, rows, keys],
-                 [_specs_q(st, bq, dv), stat, stat], [f32(B, Tp, H, dv), f32(B, H, Tp), f32(B, H, Tp)],
+    rows, kv, meta_rows, meta_keys, stat = _query_block_specs(st.G, st.bq, Sp)
+    return _call(_fwd_kernel, st, (B, H, Tp // st.bq), [rows(d), kv(d), kv(dv), meta_rows, meta_keys, meta_rows,
+                                                       meta_keys],
+                 [rows(dv), stat, stat], [_f32(B, Tp, H, dv), _f32(B, H, Tp), _f32(B, H, Tp)],
                  "jax_cp_flash_fwd", q, k, v, qpos, kpos, qseg, kseg)
 
 
@@ -210,15 +217,12 @@ def _bwd_call(st: _Static, q, k, v, do, lse_BHT, delta_BHT, qpos, kpos, qseg, ks
     B, Tp, H, d = q.shape
     Sp, K, dv = k.shape[1], k.shape[2], v.shape[-1]
     G, bq, bk = st.G, st.bq, st.bk
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     args = (q, k, v, do, lse_BHT, delta_BHT, qpos, kpos, qseg, kseg)
     # dQ: one query block of one head per program, over every key block.
-    kv = lambda dim: pl.BlockSpec((None, Sp, None, dim), lambda b, h, i: (b, 0, h // G, 0))
-    rows, keys = pl.BlockSpec((None, bq), lambda b, h, i: (b, i)), pl.BlockSpec((None, Sp), lambda b, h, i: (b, 0))
-    stat = pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))
-    dq, = _call(_dq_kernel, st, (B, H, Tp // bq), [_specs_q(st, bq, d), kv(d), kv(dv), _specs_q(st, bq, dv), stat,
-                                                   stat, rows, keys, rows, keys],
-                [_specs_q(st, bq, d)], [f32(B, Tp, H, d)], "jax_cp_flash_dq", *args)
+    rows, kv, meta_rows, meta_keys, stat = _query_block_specs(G, bq, Sp)
+    dq, = _call(_dq_kernel, st, (B, H, Tp // bq), [rows(d), kv(d), kv(dv), rows(dv), stat, stat, meta_rows,
+                                                   meta_keys, meta_rows, meta_keys],
+                [rows(d)], [_f32(B, Tp, H, d)], "jax_cp_flash_dq", *args)
     # dK, dV: one key block of one kv head per program, over the group's heads and every query block.
     group = lambda dim: pl.BlockSpec((None, Tp, G, dim), lambda b, h, j: (b, 0, h, 0))
     block = lambda dim: pl.BlockSpec((None, bk, None, dim), lambda b, h, j: (b, j, h, 0))
@@ -226,7 +230,7 @@ def _bwd_call(st: _Static, q, k, v, do, lse_BHT, delta_BHT, qpos, kpos, qseg, ks
     qrows, kblock = pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0)), pl.BlockSpec((None, bk), lambda b, h, j: (b, j))
     dk, dvv = _call(_dkv_kernel, st, (B, K, Sp // bk), [group(d), block(d), block(dv), group(dv), gstat, gstat, qrows,
                                                         kblock, qrows, kblock],
-                    [block(d), block(dv)], [f32(B, Sp, K, d), f32(B, Sp, K, dv)], "jax_cp_flash_dkv", *args)
+                    [block(d), block(dv)], [_f32(B, Sp, K, d), _f32(B, Sp, K, dv)], "jax_cp_flash_dkv", *args)
     return dq, dk, dvv
 
 
@@ -243,14 +247,11 @@ def _prepare(x, length: int, width: int):
 
 
 def _meta(m: bw.Meta, batch: int, length: int):
-    """``[B, L]`` positions and segment ids for the kernel, padded; padding and invalid tokens get segment ``-1``."""
+    """``[B, L]`` positions and segment ids for the kernel, padded (``_blockwise._pad_meta``); padding and
+    invalid tokens get segment ``-1``."""
     full = lambda a: None if a is None else jnp.broadcast_to(a, (batch, a.shape[-1]))
-    m = bw.Meta(full(m.pos), full(m.seg), full(m.valid))
-    valid = jnp.ones(m.pos.shape, bool) if m.valid is None else m.valid
-    seg = jnp.zeros(m.pos.shape, jnp.int32) if m.seg is None else m.seg
-    seg = jnp.where(valid & (seg >= 0), seg, -1)
-    pad = lambda a, value: jnp.pad(a, ((0, 0), (0, length - a.shape[1])), constant_values=value)
-    return pad(m.pos, 0), pad(seg, -1)
+    m = bw._pad_meta(bw.Meta(full(m.pos), full(m.seg), full(m.valid)), length)
+    return m.pos, jnp.where(m.valid, jnp.zeros_like(m.pos) if m.seg is None else m.seg, -1)
 
 
 def _padded(st: _Static, q, k, v, qm, km):
@@ -276,17 +277,8 @@ def forward(q_BTHd, k_BSKd, v_BSKd, qm: bw.Meta, km: bw.Meta, spec: bw.Spec, sta
     o, lse, mx = _fwd_call(st, q, k, v, qpos, kpos, qseg, kseg)
     o, lse, mx = o[:, :T, :, :dv], jnp.swapaxes(lse, 1, 2)[:, :T], jnp.swapaxes(mx, 1, 2)[:, :T]
     if state is not None:
-        o, lse = _merge(state, (o, lse))
+        o, lse = bw.merge_softmax(state, (o, lse))
     return (o, lse, mx) if spec.max_logits else (o, lse)
-
-
-def _merge(a, b):
-    """Two partial softmaxes ``(o, lse)`` over disjoint keys -> the softmax over both."""
-    m = jnp.maximum(a[1], b[1])
-    wa, wb = jnp.exp(a[1] - m), jnp.exp(b[1] - m)
-    total = wa + wb
-    o = (wa[..., None] * a[0] + wb[..., None] * b[0]) / total[..., None]
-    return o, jnp.where(m > 0.5 * NEG, m + jnp.log(total), NEG)
 
 
 def backward(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm: bw.Meta, km: bw.Meta, spec: bw.Spec, dq=None):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_cp._blockwise import check_soft_cap, vary_as as _vary_as, vma as _vma
+from jax_cp._blockwise import check_soft_cap, merge_softmax, vary_as as _vary_as, vma as _vma
 
 __all__ = ["splash_attention", "splash_unsupported_reason", "LANES", "RingStep", "ring_prepare", "ring_forward_step",
            "ring_backward_step"]
@@ -335,9 +335,7 @@ def ring_forward_step(step: RingStep, qx, qm, kv, carry=None):
     o, lse = _vary_as(o, qx, kv[0]), _vary_as(lse, qx, kv[0])
     if carry is None:
         return o, lse
-    o0, lse0 = carry
-    new = jnp.logaddexp(lse0, lse)
-    return o0 * jnp.exp(lse0 - new)[..., None] + o * jnp.exp(lse - new)[..., None], new
+    return merge_softmax(carry, (o, lse))
 
 
 def ring_backward_step(step: RingStep, qx, qm, kv, o, lse, do, dq=None):
