@@ -8,7 +8,7 @@ of its tp rank's ``Kc / t`` kv heads (``Kc = lcm(num_kv_heads, tp)``: the kv hea
 when tp exceeds them, so a rank holds the heads its query heads read).
 
 Ownership: global slot ``g`` lives on CP rank ``g % n`` (``n = c*u``) at local slot ``g // n``.
-``prefill`` writes each device's own prompt tokens (the training layout, load-balanced or not) into
+``prefill_prompt`` writes each device's own prompt tokens (the training layout, load-balanced or not) into
 its first ``S / n`` slots, so the prompt costs no extra communication and is spread evenly; decode
 tokens then go round-robin, token ``g`` to rank ``g % n``, so every device keeps ``1/n`` of the
 sequence however long decoding runs. Because each slot stores its token's position, the masks
@@ -36,12 +36,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_cp import kernels as _kernels
 from jax_cp._blockwise import fold_sinks
 from jax_cp._body import attention_shard, shard_call, shard_meta
+from jax_cp._layer import compute_specs, layer_call
 from jax_cp._masks import visible
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place, seq_chunk
 from jax_cp._projection import LinearProjections, _local_kv, _per_token, _proj
 from jax_cp._spec import Layout, lcm
 
-__all__ = ["CACHE_FIELDS", "EMPTY", "CacheLayout", "cache_layout", "decode_step", "init_cache", "prefill"]
+__all__ = ["CACHE_FIELDS", "EMPTY", "CacheLayout", "cache_layout", "check_inference", "decode_step", "infer",
+           "init_cache", "prefill_prompt"]
 
 EMPTY = 2**30  # the position of an empty slot: after every query, so causality hides it
 CACHE_FIELDS = ("cached_key", "cached_value", "cached_positions", "cache_index", "cache_slots")
@@ -138,17 +140,21 @@ def _prefill_shard(params, x_BSD, *args, spec, layout, dtype, fields, cache: Cac
     return y, cache.write_prefill(projections.kv_seen, meta.pos, *args[len(fields):])
 
 
-def prefill(call, cache: dict, lengths):
-    """Runs the prompt through the layer (``call``: ``_layer.LayerCall``) and writes its K/V, positions
-    and lengths into ``cache`` (from slot 0: a prefill starts the cache afresh). Returns ``(y, cache)``."""
+def prefill_prompt(params: dict, x_BSD, cache: dict, *, mesh, spec, dtype=None, positions=None, lengths=None,
+            local_window_size=None):
+    """Runs the prompt ``x [B, S, D]`` through the layer (``_layer.layer_call``: any exchange, kernel and
+    positions) and writes its K/V, positions and lengths into ``cache`` (from slot 0: a prefill starts
+    the cache afresh). Returns ``(y, cache)``."""
+    L = check_cache(cache, spec, getattr(x_BSD, "shape", (None,))[0])  # before the layer's own checks
+    call = layer_call(params, x_BSD, mesh=mesh, spec=spec, dtype=dtype, positions=positions,
+                      local_window_size=local_window_size)
     B, S = call.batch, call.seq_len
-    L = check_cache(cache, call.spec, B)
     if S > L:
         raise ValueError(f"the prompt's seq_len={S} is longer than the cache's max_length={L}; init_cache with "
                          f"max_length >= {S} (plus the tokens to decode).")
     lengths = _check_lengths(lengths, B, S)
-    cl = cache_layout(call.spec, call.mesh)
-    mesh, specs = call.mesh, cl.specs()
+    cl = cache_layout(call.spec, mesh)
+    specs = cl.specs()
     names = ("cached_key", "cached_value", "cached_positions")
     args = call.args + [place(cache[n], mesh, specs[n]) for n in names] + [place(lengths, mesh, P(DP))]
     in_specs = tuple(call.in_specs) + tuple(specs[n] for n in names) + (P(DP),)
@@ -182,14 +188,14 @@ def _put(buf, new, local, mine):
 
 def _new_tokens(params, x_BTD, pos_BT, spec, cl: CacheLayout, dims, dtype):
     """q ``[B, T, H/t, d]`` and the cache's k, v ``[B, T, Kc/t, d]`` of the new tokens (QK-norm, RoPE)."""
-    w = params
+    w = params  # this device's compute-layout parameters
     kv_layout = Layout(dims, cl.heads, cl.kv_sharded)
     local = lambda name, axis: None if name not in w else _local_kv(w[name], kv_layout, axis)
     x = x_BTD.astype(dtype)
     q = _per_token(_proj(x, w["q_kernel"], w.get("q_bias"), dtype), w.get("q_norm"), pos_BT, spec.rope_theta)
     k = _proj(x, local("k_kernel", 1), local("k_bias", 0), dtype)
     k = _per_token(k, w.get("k_norm"), pos_BT, spec.rope_theta)
-    return q, k, _proj(x, local("v_kernel", 1), local("v_bias", 0), dtype), w
+    return q, k, _proj(x, local("v_kernel", 1), local("v_bias", 0), dtype)
 
 
 def attend_cache(q_BTHd, k_BSKd, v_BSKd, q_pos_BT, k_pos_BS, spec, form: str | None = None):
@@ -252,7 +258,7 @@ def _cp_rank():
 def _decode_shard(params, x_BTD, ck, cv, cpos, index_B, slots, *, spec, dims, dtype, cl: CacheLayout):
     T, n = x_BTD.shape[1], dims.cp
     pos_BT = index_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
-    q, k, v, w = _new_tokens(params, x_BTD, pos_BT, spec, cl, dims, dtype)
+    q, k, v = _new_tokens(params, x_BTD, pos_BT, spec, cl, dims, dtype)
     rank = _cp_rank()
     for t in range(T):  # token slots + t goes to rank (slots + t) % n, local slot (slots + t) // n
         g = slots + t
@@ -263,28 +269,31 @@ def _decode_shard(params, x_BTD, ck, cv, cpos, index_B, slots, *, spec, dims, dt
     ck, cv, cpos = (lax.optimization_barrier(a) for a in (ck, cv, cpos))
     o, lse = attend_cache(q, ck, cv, pos_BT, cpos, spec)
     o, lse = merge_partials(o, lse, CP)
-    o, _ = fold_sinks(o, lse, w.get("sinks"))
-    y = lax.psum(jnp.einsum("bthe,hed->btd", o.astype(dtype), w["o_kernel"].astype(dtype)), TP)
-    if "o_bias" in w:
-        y = y + w["o_bias"][None, None]
+    o, _ = fold_sinks(o, lse, params.get("sinks"))
+    y = lax.psum(jnp.einsum("bthe,hed->btd", o.astype(dtype), params["o_kernel"].astype(dtype)), TP)
+    if "o_bias" in params:
+        y = y + params["o_bias"][None, None]
     y = jnp.where(slots + T > cpos.shape[1] * n, jnp.nan, y)  # past max_length (traced: no error to raise)
     return y.astype(dtype), (ck, cv, cpos)
 
 
-def decode_step(params: dict, x_BTD, cache: dict, *, mesh, spec, dtype, param_specs: dict):
+def decode_step(params: dict, x_BTD, cache: dict, *, mesh, spec, dtype):
     """One decode step of ``T`` new tokens per sequence ``x [B, T, D]`` at positions ``cache_index[b] + t``.
 
     Returns ``(y [B, T, out_features], cache)`` with the new tokens' K/V written and ``cache_index``
-    advanced by ``T``. ``ValueError`` when the cache is missing, of another batch, or (known values)
-    full; under ``jit`` a step past ``max_length`` returns NaN outputs.
+    advanced by ``T``. ``ValueError`` when the input is not ``[B, T, D]``, the cache is missing, of
+    another batch, or (known values) full; under ``jit`` a step past ``max_length`` returns NaN outputs.
     """
+    if getattr(x_BTD, "ndim", None) != 3 or x_BTD.shape[-1] != spec.in_features:
+        raise ValueError(f"a decode step's input has shape={getattr(x_BTD, 'shape', None)}; it must be (batch, "
+                         f"new_tokens, in_features={spec.in_features}).")
     B, T = x_BTD.shape[:2]
     L = check_cache(cache, spec, B)
     slots = cache["cache_slots"]
     if not isinstance(slots, jax.core.Tracer) and int(slots) + T > L:
         raise ValueError(f"decoding {T} more token(s) past the {int(slots)} in the cache would exceed its "
                          f"max_length={L}; init_cache with a larger max_length.")
-    cl, dims = cache_layout(spec, mesh), mesh_dims(mesh)
+    cl, dims, param_specs = cache_layout(spec, mesh), mesh_dims(mesh), compute_specs(spec, mesh)
     specs, names = cl.specs(), ("cached_key", "cached_value", "cached_positions", "cache_index", "cache_slots")
     params = {k: place(params[k], mesh, param_specs[k]) for k in param_specs}
     args = [params, place(x_BTD, mesh, X_DECODE)] + [place(cache[n], mesh, specs[n]) for n in names]
@@ -295,3 +304,28 @@ def decode_step(params: dict, x_BTD, cache: dict, *, mesh, spec, dtype, param_sp
     new["cache_index"] = cache["cache_index"] + T
     new["cache_slots"] = slots + T
     return y, new
+
+
+def check_inference(spec, kv_x: tuple, prefill: bool):
+    """What prefill and decode serve: causal self-attention (the cache holds the layer's own tokens)."""
+    mode = "prefill=True" if prefill else "decode=True"
+    if kv_x:
+        raise ValueError(f"{mode} caches the layer's own keys (self-attention); cross attention (inputs_k/inputs_v/"
+                         "inputs_kv) has no decode path: run it without decode.")
+    if not spec.is_causal:
+        raise ValueError(f"{mode} needs is_causal=True (autoregressive decoding); this layer has is_causal=False.")
+    if spec.record_max_logits:
+        raise ValueError(f"{mode} does not record max logits (a training statistic); build the inference model "
+                         "with record_max_logits=False.")
+
+
+def infer(params, x, cache, *, mesh, spec, dtype, prefill, positions, lengths, local_window_size):
+    """``prefill_prompt`` or one ``decode_step``: the inference call of the NNX and Linen modules."""
+    if prefill:
+        return prefill_prompt(params, x, cache, mesh=mesh, spec=spec, dtype=dtype, positions=positions,
+                              lengths=lengths, local_window_size=local_window_size)
+    if positions is not None or lengths is not None:
+        raise ValueError("decode steps take their positions from the cache (cache_index); pass positions/lengths "
+                         "to the prefill call (prefill=True) only.")
+    return decode_step(params, x, cache, mesh=mesh, spec=spec.replace(local_window_size=local_window_size),
+                       dtype=dtype or getattr(x, "dtype", jnp.float32))

@@ -6,8 +6,7 @@ from flax import nnx
 
 from jax_cp import _decode
 from jax_cp._defaults import AUTO, Choice
-from jax_cp._layer import (AttentionSharding, compute_specs, init_param, kv_inputs, layer_call, layer_forward,
-                           param_shapes, storage_specs)
+from jax_cp._layer import AttentionSharding, init_param, kv_inputs, layer_forward, param_shapes, storage_specs
 from jax_cp._mesh import place
 from jax_cp._spec import AttentionSpec
 
@@ -116,11 +115,11 @@ class CPAttention(nnx.Module):
         params = {name: getattr(self, name)[...] for name in param_shapes(self.spec)}
         decode = self.decode if decode is None else decode
         if prefill or decode:
-            _check_inference(self.spec, inputs_q, kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), prefill)
+            _decode.check_inference(self.spec, kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), prefill)
             cache = {name: getattr(self, name, None) for name in _decode.CACHE_FIELDS}
-            y, cache = _infer(params, inputs_q, {k: None if v is None else v[...] for k, v in cache.items()},
-                              mesh=self.mesh, spec=self.spec, dtype=self.dtype, prefill=prefill, positions=positions,
-                              lengths=lengths, local_window_size=local_window_size)
+            y, cache = _decode.infer(params, inputs_q, {k: None if v is None else v[...] for k, v in cache.items()},
+                                     mesh=self.mesh, spec=self.spec, dtype=self.dtype, prefill=prefill,
+                                     positions=positions, lengths=lengths, local_window_size=local_window_size)
             for name, value in cache.items():
                 getattr(self, name)[...] = value
             return y
@@ -133,37 +132,3 @@ class CPAttention(nnx.Module):
             self.sow(nnx.Intermediate, "max_logits", max_logits)
         return y
 
-
-def _check_inference(spec: AttentionSpec, x, kv_x: tuple, prefill: bool):
-    """What prefill and decode serve: causal self-attention (the cache holds the layer's own tokens)."""
-    mode = "prefill=True" if prefill else "decode=True"
-    if kv_x:
-        raise ValueError(f"{mode} caches the layer's own keys (self-attention); cross attention (inputs_k/inputs_v/"
-                         "inputs_kv) has no decode path: run it without decode.")
-    if not spec.is_causal:
-        raise ValueError(f"{mode} needs is_causal=True (autoregressive decoding); this layer has is_causal=False.")
-    if spec.record_max_logits:
-        raise ValueError(f"{mode} does not record max logits (a training statistic); build the inference model "
-                         "with record_max_logits=False.")
-
-
-def _infer(params, x, cache, *, mesh, spec, dtype, prefill, positions, lengths, local_window_size):
-    """``prefill`` or one decode step (``jax_cp._decode``); shared by the NNX and Linen modules."""
-    _decode.check_cache(cache, spec, getattr(x, "shape", (None,))[0])
-    if prefill:
-        call = layer_call(params, x, mesh=mesh, spec=spec, dtype=dtype, positions=positions,
-                          local_window_size=local_window_size)
-        return _decode.prefill(call, cache, lengths)
-    if positions is not None or lengths is not None:
-        raise ValueError("decode steps take their positions from the cache (cache_index); pass positions/lengths "
-                         "to the prefill call (prefill=True) only.")
-    _check_decode_input(x, spec.in_features)
-    spec = spec.replace(local_window_size=local_window_size)
-    return _decode.decode_step(params, x, cache, mesh=mesh, spec=spec, dtype=jnp.dtype(dtype or x.dtype),
-                               param_specs=compute_specs(spec, mesh))
-
-
-def _check_decode_input(x, in_features: int):
-    if getattr(x, "ndim", None) != 3 or x.shape[-1] != in_features:
-        raise ValueError(f"a decode step's input has shape={getattr(x, 'shape', None)}; it must be (batch, "
-                         f"new_tokens, in_features={in_features}).")

@@ -11,7 +11,6 @@ from jax_cp import _decode
 from jax_cp._defaults import AUTO
 from jax_cp._layer import AttentionSharding, init_param, kv_inputs, layer_forward, param_shapes, storage_specs
 from jax_cp._mesh import is_explicit, place
-from jax_cp._module import _check_inference, _infer
 from jax_cp._spec import AttentionSpec
 
 __all__ = ["CPAttention"]
@@ -83,10 +82,11 @@ class CPAttention(nn.Module):
             params[name] = self.param(name, nn.with_partitioning(init, tuple(specs[name])), shape, self.param_dtype)
         decode = self.decode if decode is None else decode
         if (prefill or decode) and self.has_variable("cache", "cached_key"):
-            _check_inference(spec, inputs_q, kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), prefill)
+            _decode.check_inference(spec, kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), prefill)
             cache = {name: self.get_variable("cache", name) for name in _decode.CACHE_FIELDS}
-            y, cache = _infer(params, inputs_q, cache, mesh=self.mesh, spec=spec, dtype=self.dtype, prefill=prefill,
-                              positions=positions, lengths=lengths, local_window_size=local_window_size)
+            y, cache = _decode.infer(params, inputs_q, cache, mesh=self.mesh, spec=spec, dtype=self.dtype,
+                                     prefill=prefill, positions=positions, lengths=lengths,
+                                     local_window_size=local_window_size)
             for name, value in cache.items():
                 self.put_variable("cache", name, value)
             return y
