@@ -164,6 +164,10 @@ def serving_params(params, dtype):
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 class Generator:
     """Compiled prefill and decode steps of ``model`` for ``batch`` sequences and a ``max_length`` cache.
 
@@ -173,7 +177,7 @@ class Generator:
     def __init__(self, model, *, batch: int, prompt_len: int, max_length: int, temperature=0.0, top_k=None):
         dims = jax_cp.mesh_dims(model.mesh)
         self.mesh, self.batch, n = model.mesh, batch, dims.cp
-        self.prefill_len = -(-prompt_len // n) * n  # the prompt padded to a multiple of the CP degree
+        self.prefill_len = _round_up(prompt_len, n)  # the prompt padded to a multiple of the CP degree
         if self.prefill_len > max_length:
             raise ValueError(f"the prompt ({prompt_len} tokens, padded to {self.prefill_len}) is longer than "
                              f"max_length={max_length}; raise --max-length.")
@@ -226,7 +230,7 @@ def generate(cfg: GenerateConfig, model, out=None) -> dict:
     dims = jax_cp.mesh_dims(model.mesh)
     batch = cfg.batch or dims.dp
     prompt = np.frombuffer(cfg.prompt.encode(), np.uint8).astype(np.int32)
-    need = -(-(-(-len(prompt) // dims.cp) * dims.cp + cfg.max_new_tokens) // dims.cp) * dims.cp
+    need = _round_up(_round_up(len(prompt), dims.cp) + cfg.max_new_tokens, dims.cp)
     max_length = cfg.max_length or need
     if max_length < need:
         raise ValueError(f"--max-length={max_length} cannot hold the prompt ({len(prompt)} tokens, padded to a "

@@ -144,6 +144,7 @@ class _Module:
         self.comps, self.entry = parse_module(text)
         self.by_name = {c: {i.name: i for i in instrs} for c, instrs in self.comps.items()}
         self._has: dict[tuple[str, str], bool] = {}
+        self._iterations: dict[str, int] | None = None
 
     def contains(self, comp: str, what: str) -> bool:
         """Does ``comp`` (or anything it calls) hold ``what`` ("compute", a collective kind, a target)?"""
@@ -177,7 +178,13 @@ class _Module:
     def iterations(self) -> dict[str, int]:
         """``{computation: runs}`` for while-loop bodies: the product of the trip counts of the
         loops around it, each read from its condition (``counter < constant``, counter starting
-        at a constant; ``fori_loop``'s form). Bodies whose count is not readable run once."""
+        at a constant; ``fori_loop``'s form). Bodies whose count is not readable run once.
+        Read once per module (``instr_flops`` asks for it per loop)."""
+        if self._iterations is None:
+            self._iterations = self._read_iterations()
+        return self._iterations
+
+    def _read_iterations(self) -> dict[str, int]:
         trips, parent = {}, {}
         for comp, instrs in self.comps.items():
             for i in instrs:
