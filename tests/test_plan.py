@@ -433,6 +433,9 @@ def test_analyze_program_finds_collectives_in_loop_bodies():
     assert (c.kind, c.axes, c.in_loop, c.is_async, c.bytes) == ("collective-permute", ("cp_colossal",), True, True,
                                                                 256 * 256 * 2)
     assert a.memory.total > 0 and a.flops > 0
+    # Carried into the next trip, where the matmul consumes it: a CP transfer, counted once per trip.
+    assert c.iterations == 5 and a.schedule.is_cp(c)
+    assert a.overlap("fwd") == (1.0 if c.overlapped else 0.0)
 
 
 def test_auto_strategy_chooses_and_explains():

@@ -123,12 +123,20 @@ def _backward_ring(grads, home, do, axis_name, c):
     # only, and XLA would hoist it into the forward pass, keeping a K/V chunk alive there
     # and taking collective slots from the forward's own exchanges.
     kv = _shift(lax.optimization_barrier((home, do))[0], axis_name, c, -1)
-    nxt = _shift(kv, axis_name, c, -1) if c > 2 else None
-    dq, dk, dv = grads(kv)  # step 0 starts the accumulator of chunk r+1
-    if c > 2:
-        dq, acc, kv = lax.fori_loop(0, c - 3, step, (dq, (dk, dv), nxt))
-        dq, (dk, dv) = attend(dq, acc, kv)  # the last remote chunk: nothing further to fetch
-    return attend(dq, (dk, dv), home)  # own chunk: its accumulator arrives complete
+    if c == 2:
+        dq, dk, dv = grads(kv)  # the one remote chunk starts its accumulator
+        acc = (dk, dv)
+    else:
+        # Step 0 runs in the loop, with an empty accumulator (zeros travel once): peeled, its
+        # onward K/V transfer was scheduled after its kernels, with nothing inside.
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grads, kv))
+        dq0, dk0, dv0 = (bw.vary_as(z, kv, do) for z in zeros)
+        dq, acc, kv = lax.fori_loop(0, c - 2, step, (dq0, (dk0, dv0), kv))
+        dq, acc = attend(dq, acc, kv)  # the last remote chunk: nothing further to fetch
+    # Own chunk, tied to the last remote step's sums: its kernels need nothing that travels, and
+    # XLA hoisted them to the start, leaving the last accumulator's transfer with nothing inside.
+    home = lax.optimization_barrier((home, acc))[0]
+    return attend(dq, acc, home)  # its accumulator arrives complete
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -112,12 +112,13 @@ class Schedule:
         )
 
     def overlap_fraction(self, phase: str | None = None, *, cp_only: bool = True) -> float | None:
-        """Overlapped bytes / all bytes of the selected collectives (``None`` when there are none)."""
+        """Overlapped bytes / all bytes of the selected collectives, each counted as often as it runs
+        (a loop body's once per trip; ``None`` when there are none)."""
         sel = self.select(phase, cp_only=cp_only)
-        total = sum(c.bytes for c in sel)
+        total = sum(c.bytes * c.iterations for c in sel)
         if total == 0:
             return None
-        return sum(c.bytes for c in sel if c.overlapped) / total
+        return sum(c.bytes * c.iterations for c in sel if c.overlapped) / total
 
     def kinds(self, *, cp_only: bool = True) -> set[str]:
         return {c.kind for c in self.select(cp_only=cp_only)}
@@ -345,10 +346,15 @@ def _phase(op_name: str) -> str:
     return "bwd" if "transpose(" in op_name else "fwd"
 
 
-def _feeds_compute(instrs: list[Instr], is_compute: list[bool]) -> dict[str, bool]:
-    """For every instruction: does any compute op (transitively) consume its value?"""
+def _feeds_compute(instrs: list[Instr], is_compute: list[bool], *, loop_body: bool = False) -> dict[str, bool]:
+    """For every instruction: does any compute op (transitively) consume its value?
+
+    In a loop body with compute, what reaches the root is carried into the next iteration (or
+    out of the loop): the ring's transfers, consumed by the next step's kernel, count as feeding it."""
     pos = {i.name: k for k, i in enumerate(instrs)}
     feeds = [False] * len(instrs)
+    if loop_body and instrs and any(is_compute):
+        feeds[-1] = True  # the root: scheduled last
     for k in range(len(instrs) - 1, -1, -1):  # users come later in a schedule
         for o in instrs[k].operands:
             if o in pos and (is_compute[k] or feeds[k]):
@@ -442,7 +448,7 @@ def _collectives_of(mod, comp, mesh_shape, axis_names) -> list[Collective]:
         or (i.opcode in ("fusion", "call", "while", "conditional") and any(mod.contains(c, "compute") for c in i.called))
         for i in instrs
     ]
-    feeds = _feeds_compute(instrs, is_compute)
+    feeds = _feeds_compute(instrs, is_compute, loop_body=comp in mod.iterations())
     out = []
     for pos, i in enumerate(instrs):
         role = _classify(mod, i)
