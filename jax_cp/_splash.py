@@ -2,11 +2,27 @@
 
 Splash masks are static index patterns; ours come from data. We sort the keys
 by ``(padding, segment, position)``, so that for each query the keys it may see
-(same segment, position ``<=`` its own when causal) form a run ending at
-``hi_t`` in the sorted order. The kernel's in-kernel mask is then ``k < hi_t``
-with ``hi`` passed as its (normally static) ``q_sequence``, segments use the
-kernel's own ``SegmentIds``, and block sparsity is built from the data. Windows
-need a second bound per row and are not expressible (use blockwise).
+(same segment, position ``<=`` its own when causal, within its window) form a
+run ``lo_t <= s < hi_t`` in the sorted order. The kernel's in-kernel mask
+function compares key indices with a per-query value passed as its (normally
+static) ``q_sequence``: ``hi_t`` alone, or, with a window, both bounds packed in
+16 bits each (so windows need at most ``MAX_WINDOW_KEYS`` keys per kernel call);
+segments use the kernel's own ``SegmentIds``, and block sparsity is built from
+the data, so blocks no query sees cost nothing.
+
+The surface used (pinned by ``tests/test_kernels.py`` on jax 0.10.2 and 0.12.0):
+the public ``splash_attention`` module (``make_splash_mha``/``make_splash_mqa`` for
+the kernel's settings, ``SplashAttentionKernel`` and ``MaskInfo`` to run it on our
+mask data, its forward with ``save_residuals``) and
+two private pieces that nothing public replaces: ``jax._src.config._check_vma``
+(splash declares outputs without manual-axis types, which ``shard_map`` rejects;
+we trace the kernel unchecked and retype its results) and
+``splash_attention_kernel._splash_attention_bwd``, the backward kernels from given
+residuals: the ring's steps need them from the merged output and log-sum-exp of
+all steps, which the public ``custom_vjp`` cannot take (it keeps its own forward's),
+and one path serves both uses (under ``shard_map`` the public ``custom_vjp``'s
+cotangent types would not match its unchecked forward's). Where a JAX release lacks them,
+``unavailable_reason`` says so and ``kernel="auto"`` runs the blockwise kernel.
 Letters: B batch, T queries, S keys, H query heads, K kv heads, d head dim.
 """
 from __future__ import annotations
@@ -14,32 +30,63 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_cp._blockwise import check_soft_cap, merge_softmax, vary_as as _vary_as, vma as _vma
+from jax_cp._blockwise import check_soft_cap, merge_softmax, vary_as as _vary_as
+from jax_cp._masks import normalize_window
 
-__all__ = ["splash_attention", "splash_unsupported_reason", "LANES", "RingStep", "ring_prepare", "ring_forward_step",
-           "ring_backward_step"]
+__all__ = ["splash_attention", "splash_unsupported_reason", "unavailable_reason", "LANES", "MAX_WINDOW_KEYS",
+           "RingStep", "ring_prepare", "ring_forward_step", "ring_backward_step"]
 
 LANES = 128  # splash block sizes are multiples of this
+_BITS = 16  # a window's two bounds share one int32 of q_sequence
+MAX_WINDOW_KEYS = ((1 << _BITS) - 1) // LANES * LANES  # keys of one windowed kernel call (padded to lanes)
 _IMAX = jnp.iinfo(jnp.int32).max
+_IMIN = jnp.iinfo(jnp.int32).min
 _NEG = -1e30  # the log-sum-exp of rows that see no key (as the blockwise kernel's)
 
 
-def splash_unsupported_reason(*, window, max_logits: bool = False, residual: bool = False) -> str | None:
-    """Why splash cannot serve this call (``None`` when it can)."""
-    if window is not None:
-        return (f"local_window_size={window} needs two bounds per query over explicit positions, "
-                "which the splash mask cannot express")
+def _padded(n: int) -> int:
+    return -(-n // LANES) * LANES
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """Why this JAX release cannot run splash for us, or None.
+
+    The private pieces we rely on are checked by name and signature, not by version, so a
+    release that keeps them works and one that drops them falls back to blockwise, saying why."""
+    from jax._src import config
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
+
+    if getattr(config, "_check_vma", None) is None:
+        return (f"this JAX ({jax.__version__}) has no jax._src.config._check_vma switch, which splash's "
+                "outputs need under shard_map (tested: jax 0.10.2, 0.12.0)")
+    bwd = getattr(ska, "_splash_attention_bwd", None)
+    params = set(inspect.signature(bwd).parameters) if bwd is not None else set()
+    if not {"res", "do", "save_residuals", "mask_function", "block_sizes", "is_mqa"} <= params:
+        return (f"this JAX's ({jax.__version__}) splash module has no _splash_attention_bwd(res, do, ...), the "
+                "backward from given residuals that the ring's merged steps need (tested: jax 0.10.2, 0.12.0)")
+    return None
+
+
+def splash_unsupported_reason(*, window, kv_len: int | None = None, max_logits: bool = False,
+                              residual: bool = False) -> str | None:
+    """Why splash cannot serve this call (``None`` when it can). ``kv_len``: the keys one kernel
+    call sees (``None``: not known yet, windows are assumed to fit)."""
+    if window is not None and kv_len is not None and _padded(kv_len) > MAX_WINDOW_KEYS:
+        return (f"local_window_size={window} over {kv_len} keys in one kernel call: splash gets a window's "
+                f"two bounds per query in {_BITS} bits each, so at most {MAX_WINDOW_KEYS} keys")
     if max_logits:
         return "the max-logit statistic (record_max_logits) is not among the splash kernel's outputs"
     if residual:
         return "return_residual's log-sum-exp gradient is not an input of splash's backward kernels"
-    return None
+    return unavailable_reason()
 
 
 def _block(length: int) -> int:
@@ -84,11 +131,12 @@ def _sort_keys(kpos, kseg, S):
     return perm, (kinv, kseg0, kpos)
 
 
-def _row_info(kv_keys, q_hi, q_lo, *, T):
+def _row_info(kv_keys, q_hi, q_lo, *, T, window: bool = False):
     """The kernel's mask for one row: ``(fwd, dq, dkv)`` MaskInfos whose ``q_sequence`` is each
-    query's bound in the sorted keys, and ``has_key_T``. ``kv_keys`` (sorted or not: only counts
-    are taken) are the keys' sort tuples; query ``t`` sees sorted keys ``lo_t <= s < hi_t`` where
-    ``hi_t`` counts the keys ``<= q_hi[t]`` and ``lo_t`` those ``<= q_lo[t]`` (none if ``q_lo`` is None)."""
+    query's bound in the sorted keys (with ``window``: both bounds, packed), and ``has_key_T``.
+    ``kv_keys`` (sorted or not: only counts are taken) are the keys' sort tuples; query ``t`` sees
+    sorted keys ``lo_t <= s < hi_t`` where ``hi_t`` counts the keys ``<= q_hi[t]`` and ``lo_t`` those
+    ``<= q_lo[t]`` (none if ``q_lo`` is None)."""
     Tp, Sp = q_hi[0].shape[0], kv_keys[0].shape[0]
     hi = _counts_le(kv_keys, q_hi)
     lo = jnp.zeros(Tp, jnp.int32) if q_lo is None else _counts_le(kv_keys, q_lo)
@@ -107,17 +155,55 @@ def _row_info(kv_keys, q_hi, q_lo, *, T):
     j_next = jnp.where(live, starts // bk, 0).astype(jnp.int32)
     i_next = jnp.where(live, jnp.arange(N, dtype=jnp.int32)[:, None], 0)
     fwd, dq, dkv = _mask_info(block_mask, j_next), _mask_info(block_mask, j_next), _mask_info(block_mask, i_next)
-    return tuple(m._replace(q_sequence=hi) for m in (fwd, dq, dkv)), has_key
+    bound = jnp.left_shift(hi, _BITS) | jnp.minimum(lo, hi) if window else hi
+    return tuple(m._replace(q_sequence=bound) for m in (fwd, dq, dkv)), has_key
 
 
-def _static(Tp: int, Sp: int, interpret: bool, soft_cap: float | None = None) -> tuple:
-    """The kernel's static settings for padded lengths ``Tp`` x ``Sp`` (hashable)."""
+def _below_bound(q_ids, kv_ids):
+    """In-kernel mask: the sorted key index is below the query's bound (``q_sequence = hi``)."""
+    return kv_ids < q_ids
+
+
+def _within_bounds(q_ids, kv_ids):
+    """In-kernel mask with a window: ``lo <= key index < hi``, ``q_sequence = hi << 16 | lo``."""
+    hi = lax.shift_right_logical(q_ids, jnp.int32(_BITS))
+    lo = q_ids & jnp.int32((1 << _BITS) - 1)
+    return (kv_ids >= lo) & (kv_ids < hi)
+
+
+def _static(Tp: int, Sp: int, interpret: bool, soft_cap: float | None = None, *, window: bool = False,
+            mqa: bool = False) -> tuple:
+    """The kernel's settings for padded lengths ``Tp`` x ``Sp`` (hashable): those the public
+    ``make_splash_mha`` / ``make_splash_mqa`` (``mqa``: one kv head, splash's MQA form) give a
+    one-block computable mask, with our mask function (``window``: two bounds per query)."""
+    if window and Sp > MAX_WINDOW_KEYS:  # the kernel choice checks this first; a guard against silent wrapping
+        raise ValueError(f"a windowed splash call over {Sp} keys: at most {MAX_WINDOW_KEYS}; use kernel='blockwise'.")
+    return _template_kwargs(_block(Tp), _block(Sp), bool(interpret), soft_cap, bool(mqa)) + (
+        ("mask_function", _within_bounds if window else _below_bound),)
+
+
+@functools.cache
+def _template_kwargs(bq: int, bk: int, interpret: bool, soft_cap: float | None, mqa: bool) -> tuple:
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    bq, bk = _block(Tp), _block(Sp)
     sizes = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
                           block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
-    return tuple(sorted({**_kernel_kwargs(sizes, interpret, soft_cap), "save_residuals": False}.items()))
+    make = sa.make_splash_mqa if mqa else sa.make_splash_mha
+    template = make(sa.MultiHeadMask([sa.CausalMask((bq, bk))]), block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                    interpret=interpret, attn_logits_soft_cap=soft_cap)
+    kwargs = {k: v for k, v in template.kwargs.items() if k not in ("mask_function", "save_residuals")}
+    return tuple(sorted(kwargs.items()))
+
+
+def _kernel(static: tuple, infos, *, save_residuals: bool = False):
+    """splash's public kernel object, running on our mask data (``infos``)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
+
+    return ska.SplashAttentionKernel(*infos, **dict(static), save_residuals=save_residuals)
+
+
+def _is_mqa(static: tuple) -> bool:
+    return dict(static)["is_mqa"]
 
 
 def _segment_ids(qseg, qseg0, kseg_s):
@@ -126,16 +212,28 @@ def _segment_ids(qseg, qseg0, kseg_s):
     return None if qseg is None else sa.SegmentIds(q=qseg0, kv=kseg_s)
 
 
-def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, sinks_H, *, T, S, is_causal, interpret, soft_cap=None):
+def _bounds(qpos, *, is_causal: bool, window):
+    """Per-query position bounds ``(hi, lo)``: keys at positions ``<= hi`` and ``> lo`` (``lo`` None:
+    no lower bound), saturating at the int32 range."""
+    if window is None:
+        return (qpos if is_causal else jnp.full(qpos.shape, _IMAX, jnp.int32)), None
+    left, right = (min(w, 2**31 - 1) for w in window)
+    hi = qpos if is_causal else jnp.where(qpos > _IMAX - right, _IMAX, qpos + right)
+    return hi, jnp.where(qpos < _IMIN + left + 1, _IMIN, qpos - left - 1)
+
+
+def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, sinks_H, *, T, S, is_causal, window, interpret,
+             soft_cap=None):
     """One batch row, already padded to block multiples; returns ``o_HTd`` and ``has_key_T``."""
     Tp, Sp = q_HTd.shape[1], k_KSd.shape[1]
     perm, kv_keys = _sort_keys(kpos, kseg, S)
     k_KSd, v_KSd, kseg_s = k_KSd[:, perm], v_KSd[:, perm], kv_keys[1][perm]
     qseg0 = jnp.zeros(Tp, jnp.int32) if qseg is None else qseg
-    zeros, imax = jnp.zeros(Tp, jnp.int32), jnp.full(Tp, _IMAX, jnp.int32)
-    q_hi = (zeros, qseg0, qpos if is_causal else imax)
-    infos, has_key = _row_info(kv_keys, q_hi, (zeros, qseg0 - 1, imax), T=T)  # lo: keys of earlier segments
-    static = _static(Tp, Sp, interpret, soft_cap)
+    zeros = jnp.zeros(Tp, jnp.int32)
+    hi, lo = _bounds(qpos, is_causal=is_causal, window=window)
+    q_lo = (zeros, qseg0 - 1, jnp.full(Tp, _IMAX, jnp.int32)) if lo is None else (zeros, qseg0, lo)
+    infos, has_key = _row_info(kv_keys, (zeros, qseg0, hi), q_lo, T=T, window=window is not None)
+    static = _static(Tp, Sp, interpret, soft_cap, window=window is not None, mqa=k_KSd.shape[0] == 1)
     return _unchecked_call(static, infos, q_HTd, k_KSd, v_KSd, _segment_ids(qseg, qseg0, kseg_s), sinks_H), has_key
 
 
@@ -143,13 +241,22 @@ def _no_vma_check():
     """Splash's ``pallas_call`` declares outputs without manual-axis types, which
     ``shard_map(check_vma=True)`` rejects; trace the kernel itself unchecked.
 
-    We call splash's own forward/backward halves (private, pinned to the
-    installed jax) in our ``custom_vjp`` and retype the results as varying
-    over the inputs' axes, so outside the kernel the checks stay on."""
+    The kernel's forward and backward run under this switch inside our ``custom_vjp``, and
+    the results are retyped as varying over the inputs' axes, so outside the kernel the
+    checks stay on."""
     from jax._src import config
 
     state = getattr(config, "_check_vma", None)
     return state(False) if state is not None else contextlib.nullcontext()
+
+
+def _kv_in(k, static):
+    """The kernel's key/value operand: ``[K, S, d]``, or ``[S, d]`` in the MQA form."""
+    return k[0] if _is_mqa(static) else k
+
+
+def _kv_out(dk, static):
+    return dk[None] if _is_mqa(static) else dk
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -158,87 +265,65 @@ def _unchecked_call(static, infos, q, k, v, segment_ids, sinks=None):
 
 
 def _unchecked_fwd(static, infos, q, k, v, segment_ids, sinks=None):
-    """Splash's forward half; ``sinks [H]`` are the kernel's own (its softmax state starts at them)."""
+    """The public kernel's forward with its log-sum-exp; ``sinks [H]`` are the kernel's own (its
+    softmax state starts at them)."""
+    kq, kv_ = _kv_in(k, static), _kv_in(v, static)
+    with _no_vma_check():
+        o, (lse,) = _kernel(static, infos, save_residuals=True)(q, kq, kv_, segment_ids, sinks)
+    return _vary_as(o, q, k, v), (q, kq, kv_, segment_ids, sinks, o, lse, infos[1], infos[2])
+
+
+def _backward(static, res, do):
+    """``(dq, dk, dv, dsinks)`` from splash's backward kernels, given the residuals
+    ``(q, k, v, segment_ids, sinks, o, lse, dq_info, dkv_info)``: the one private entry point
+    (the public ``custom_vjp`` keeps its own forward's residuals; the ring needs the merged ones)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
 
     with _no_vma_check():
-        o, res = ska._splash_attention_fwd(*infos, q, k, v, segment_ids, sinks, **dict(static))
-    return _vary_as(o, q, k, v), (res, q, k, v, infos, segment_ids, sinks)
+        grads = ska._splash_attention_bwd(**dict(static), save_residuals=False, res=res, do=do)
+    dq, dk, dv = grads[3:6]
+    return dq, _kv_out(dk, static), _kv_out(dv, static), grads[7]
 
 
 def _unchecked_bwd(static, res, do):
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
-
-    res, q, k, v, infos, segment_ids, sinks = res
-    with _no_vma_check():
-        grads = ska._splash_attention_bwd(**dict(static), res=res, do=do)
-    dq, dk, dv = grads[3:6]
-    dsinks = None if sinks is None else _vary_as(grads[7].astype(sinks.dtype), sinks)
+    q, k, v, segment_ids, sinks, _, _, dq_info, dkv_info = res
+    dq, dk, dv, dsinks = _backward(static, res, do)
+    dsinks = None if sinks is None else _vary_as(dsinks.astype(sinks.dtype), sinks)
     none = lambda t: jax.tree.map(lambda _: None, t)
-    return none(infos), _vary_as(dq, q), _vary_as(dk, k), _vary_as(dv, v), none(segment_ids), dsinks
+    infos = (dq_info, dq_info, dkv_info)  # the forward's MaskInfo has the dq one's structure
+    return (none(infos), _vary_as(dq, q), _vary_as(dk, k), _vary_as(dv, v), none(segment_ids), dsinks)
 
 
 _unchecked_call.defvjp(_unchecked_fwd, _unchecked_bwd)
-
-
-def _below_bound(q_ids, kv_ids):
-    return kv_ids < q_ids
-
-
-@functools.cache
-def _below_bound_class():
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-
-    class BelowBound(sm._ComputableMask):  # the kernel's hook for an in-kernel mask_function
-        """Key index below the per-query bound carried in ``q_sequence``."""
-
-        def __init__(self, shape):
-            super().__init__(shape=shape, mask_function=_below_bound)
-
-        def __eq__(self, other):
-            return isinstance(other, BelowBound) and self.shape == other.shape
-
-        def __hash__(self):
-            return hash((BelowBound, self.shape))
-
-    return BelowBound
-
-
-def _kernel_kwargs(sizes, interpret: bool, soft_cap: float | None = None) -> dict:
-    """The kernel's static settings, taken from a one-block template (no mask processing at scale)."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as sa
-
-    mask = sa.MultiHeadMask([_below_bound_class()((sizes.block_q, sizes.block_kv))])
-    return sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret,
-                              attn_logits_soft_cap=soft_cap).kwargs
 
 
 def splash_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     is_causal=False, local_window_size=None, scale=None, logits_soft_cap=None, sinks=None, interpret: bool = False,
 ):
-    """Splash attention with our data-defined masks (causal/full, segments; no window); ``sinks [H]``
-    go to the kernel's own sink support.
+    """Splash attention with our data-defined masks (causal/full, segments, windows up to
+    ``MAX_WINDOW_KEYS`` keys); ``sinks [H]`` go to the kernel's own sink support.
 
     ``interpret=True`` runs the Pallas kernel in interpret mode (any backend,
     slow: for tests). Rows that see no key return zeros.
     """
-    reason = splash_unsupported_reason(window=local_window_size)
+    window = normalize_window(local_window_size)
+    reason = splash_unsupported_reason(window=window, kv_len=k_BSKd.shape[1])
     if reason:
         raise ValueError(f"kernel='splash': {reason}; use kernel='blockwise' (or 'auto').")
     return _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids, kv_segment_ids, sinks,
-                       is_causal=bool(is_causal), scale=scale, interpret=bool(interpret),
+                       is_causal=bool(is_causal), window=window, scale=scale, interpret=bool(interpret),
                        soft_cap=check_soft_cap(logits_soft_cap))
 
 
-@partial(jax.jit, static_argnames=("is_causal", "scale", "interpret", "soft_cap"))
+@partial(jax.jit, static_argnames=("is_causal", "window", "scale", "interpret", "soft_cap"))
 def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids, kv_segment_ids, sinks, *,
-                is_causal, scale, interpret, soft_cap):
+                is_causal, window, scale, interpret, soft_cap):
     """Jitted so that eager ``shard_map`` sees one primitive (the kernel is traced unchecked inside)."""
     B, T, H, d = q_BTHd.shape
     S = k_BSKd.shape[1]
     scale = d**-0.5 if scale is None else scale
-    Tp, Sp = -(-T // LANES) * LANES, -(-S // LANES) * LANES
+    Tp, Sp = _padded(T), _padded(S)
     q = jnp.swapaxes(_pad_seq(q_BTHd * jnp.asarray(scale, q_BTHd.dtype), Tp), 1, 2)  # [B, H, T, d]
     k, v = (jnp.swapaxes(_pad_seq(a, Sp), 1, 2) for a in (k_BSKd, v_BSKd))
     i32 = lambda a: None if a is None else jnp.asarray(a, jnp.int32)
@@ -246,7 +331,7 @@ def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids
     qseg, kseg = _pad_seq(i32(q_segment_ids), Tp), _pad_seq(i32(kv_segment_ids), Sp)
 
     def row(q, k, v, qpos, kpos, qseg, kseg):
-        return _one_row(q, k, v, qpos, kpos, qseg, kseg, sinks, T=T, S=S, is_causal=is_causal,
+        return _one_row(q, k, v, qpos, kpos, qseg, kseg, sinks, T=T, S=S, is_causal=is_causal, window=window,
                         interpret=interpret, soft_cap=soft_cap)
 
     o_BHTd, has_key_BT = jax.vmap(row)(q, k, v, qpos, kpos, qseg, kseg)
@@ -268,20 +353,21 @@ class RingStep:
     is_causal: bool
     has_segments: bool
     static: tuple  # the kernel's keyword arguments
+    window: tuple[int, int] | None = None
 
 
 def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, interpret, soft_cap=None,
-                 kv_seg_BT=None, kv_pos_BT=None):
+                 kv_seg_BT=None, kv_pos_BT=None, window=None):
     """``(q [B, H, Tp, d] scaled, q metadata, home chunk, RingStep)``. The home chunk is
     ``(k [B, K, Sp, d], v, positions, segments)`` with each row's keys sorted by (segment,
     position); padding keys (beyond the chunk, or of a negative segment) carry segment
     ``int32 max`` and sort last. ``segments`` is None when there is neither padding nor a
     segment id, so that only what the mask needs travels. ``kv_seg_BT`` / ``kv_pos_BT``: the keys'
     segment ids / positions when they differ from the queries' (key padding; cross attention,
-    where K/V are a chunk of other tokens, of their own length)."""
+    where K/V are a chunk of other tokens, of their own length). ``window``: ``(left, right)``."""
     B, T, H, d = q_BTHd.shape
-    S = k_BTKd.shape[1]
-    Tp, Sp = -(-T // LANES) * LANES, -(-S // LANES) * LANES
+    S, K = k_BTKd.shape[1], k_BTKd.shape[2]
+    Tp, Sp = _padded(T), _padded(S)
     scale = d**-0.5 if scale is None else scale
     qx = jnp.swapaxes(_pad_seq(q_BTHd * jnp.asarray(scale, q_BTHd.dtype), Tp), 1, 2)
     i32 = lambda a, n: None if a is None else _pad_seq(jnp.asarray(a, jnp.int32), n)
@@ -300,34 +386,36 @@ def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, in
     kx, vx = (jnp.take_along_axis(jnp.swapaxes(_pad_seq(a, Sp), 1, 2), perm[:, None, :, None], axis=2)
               for a in (k_BTKd, v_BTKd))
     qm = (pos, seg)
-    return qx, qm, (kx, vx, *keys), RingStep(T, bool(is_causal), seg is not None,
-                                             _static(Tp, Sp, interpret, soft_cap))
+    static = _static(Tp, Sp, interpret, soft_cap, window=window is not None, mqa=K == 1)
+    return qx, qm, (kx, vx, *keys), RingStep(T, bool(is_causal), seg is not None, static, window)
 
 
 def _row_kernel_args(step: RingStep, kv, qm):
     _, _, kpos, kseg = kv
     qpos, qseg = qm
     Tp = qpos.shape[0]
-    bound = qpos if step.is_causal else jnp.full(Tp, _IMAX, jnp.int32)
+    hi, lo = _bounds(qpos, is_causal=step.is_causal, window=step.window)
+    packed = step.window is not None
     if kseg is None:  # no segments, no padding: keys sorted by position
-        infos, has_key = _row_info((kpos,), (bound,), None, T=step.T)
+        infos, has_key = _row_info((kpos,), (hi,), None if lo is None else (lo,), T=step.T, window=packed)
         return infos, has_key, None
     qseg0 = jnp.zeros(Tp, jnp.int32) if qseg is None else qseg
-    q_lo = None if qseg is None else (qseg0 - 1, jnp.full(Tp, _IMAX, jnp.int32))  # keys of earlier segments
-    infos, has_key = _row_info((kseg, kpos), (qseg0, bound), q_lo, T=step.T)
+    if lo is not None:  # the window's lower bound, within the query's segment
+        q_lo = (qseg0, lo)
+    else:  # keys of earlier segments
+        q_lo = None if qseg is None else (qseg0 - 1, jnp.full(Tp, _IMAX, jnp.int32))
+    infos, has_key = _row_info((kseg, kpos), (qseg0, hi), q_lo, T=step.T, window=packed)
     return infos, has_key, _segment_ids(qseg, qseg0, kseg)
 
 
 def ring_forward_step(step: RingStep, qx, qm, kv, carry=None):
     """Attends the queries to the chunk ``kv`` in hand; ``carry=(o, lse)`` of earlier chunks
     (float32, ``[B, H, Tp, d]`` and ``[B, H, Tp]``) is merged by log-sum-exp."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
-
     def row(q, kv, qm):
         infos, has_key, segment_ids = _row_kernel_args(step, kv, qm)
-        with _no_vma_check():
-            o, res = ska._splash_attention_fwd(*infos, q, kv[0], kv[1], segment_ids, None, **dict(step.static))
-        lse = res[6]  # the residuals' log-sum-exp, [H, Tp]
+        with _no_vma_check():  # the public kernel's forward, returning its log-sum-exp
+            o, (lse,) = _kernel(step.static, infos, save_residuals=True)(
+                q, _kv_in(kv[0], step.static), _kv_in(kv[1], step.static), segment_ids)
         return (jnp.where(has_key[None, :, None], o.astype(jnp.float32), 0.0),
                 jnp.where(has_key[None], lse.astype(jnp.float32), _NEG))
 
@@ -342,14 +430,10 @@ def ring_backward_step(step: RingStep, qx, qm, kv, o, lse, do, dq=None):
     """``(dq, dk, dv)`` (float32) of the chunk ``kv`` given the final ``o`` (queries' dtype) and
     ``lse``: splash's backward kernels with the merged residuals, so summing over chunks gives
     the full gradient (``dq`` is added to)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
-
     def row(q, kv, qm, o, lse, do):
         infos, _, segment_ids = _row_kernel_args(step, kv, qm)
-        res = (q, kv[0], kv[1], segment_ids, None, o, lse, infos[1], infos[2])
-        with _no_vma_check():
-            grads = ska._splash_attention_bwd(**dict(step.static), res=res, do=do)
-        return grads[3:6]
+        k, v = _kv_in(kv[0], step.static), _kv_in(kv[1], step.static)
+        return _backward(step.static, (q, k, v, segment_ids, None, o, lse, infos[1], infos[2]), do)[:3]
 
     dq_s, dk, dv = jax.vmap(row)(qx, kv, qm, o, lse, do)
     dq_s, dk, dv = (_vary_as(g.astype(jnp.float32), qx, kv[0]) for g in (dq_s, dk, dv))

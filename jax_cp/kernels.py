@@ -80,16 +80,18 @@ def target_platform() -> str:
 
 def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window, has_segments: bool,
                   dtype, head_dim: int, soft_cap: bool = False, sinks: bool = False,
-                  max_logits: bool = False, residual: bool = False, v_head_dim: int | None = None) -> str:
+                  max_logits: bool = False, residual: bool = False, v_head_dim: int | None = None,
+                  kv_len: int | None = None) -> str:
     """Resolves ``"auto"`` and checks that an explicit choice can serve the mask.
 
     ``"auto"``: splash on TPU; on GPU cuDNN when the mask is expressible there, else the fused
     Pallas GPU kernel (positions, segments, windows as data); blockwise otherwise. Explicit splash
     off TPU and pallas_gpu off GPU run Pallas interpret mode (slow, for tests); explicit cuDNN needs
-    a GPU.
+    a GPU. ``kv_len``: keys per kernel call (splash takes windows over at most
+    ``_splash.MAX_WINDOW_KEYS``; ``None``: not known, assumed to fit).
     """
     check_kernel(kernel)
-    splash_why = splash_unsupported_reason(window=window, max_logits=max_logits, residual=residual)
+    splash_why = splash_unsupported_reason(window=window, kv_len=kv_len, max_logits=max_logits, residual=residual)
     cudnn_why = cudnn_unsupported_reason(is_causal=is_causal, window=window, has_segments=has_segments,
                                          dtype=dtype, head_dim=head_dim, soft_cap=soft_cap, sinks=sinks,
                                          max_logits=max_logits, residual=residual, v_head_dim=v_head_dim)
@@ -118,13 +120,15 @@ def select_kernel(kernel: str, *, platform: str, is_causal: bool, window: Window
 def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=None,
              is_causal: bool = False, local_window_size: Window = None, has_segments: bool = False,
              dtype=jnp.bfloat16, head_dim: int = 128, logits_soft_cap=None, use_sinks: bool = False,
-             record_max_logits: bool = False) -> str:
+             record_max_logits: bool = False, kv_len: int | None = None) -> str:
     """One line: the kernel a call runs on ``platform`` (default: the default backend) and why.
 
     ``kv_exchange``: a ``jax_cp.exchanges`` value or name (default: the default exchange).
-    ``"auto"`` never chooses silently: e.g. ``"splash (auto on tpu)"``, or
-    ``"blockwise (auto on tpu: local_window_size=(128, 0) needs two bounds ...)"``.
-    An explicit kernel that cannot serve the call raises its ``ValueError``.
+    ``kv_len``: the keys one kernel call sees (a ring step's chunk, or every key after an
+    all-gather; ``None``: not known). ``"auto"`` never chooses silently: e.g.
+    ``"splash (auto on tpu)"``, or ``"blockwise (auto on tpu: local_window_size=(128, 0) over
+    131072 keys in one kernel call ...)"``. An explicit kernel that cannot serve the call raises
+    its ``ValueError``.
     """
     from jax_cp import exchanges  # the exchanges import this module
 
@@ -134,14 +138,14 @@ def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=N
     window = normalize_window(local_window_size)
     needs = dict(is_causal=is_causal, window=window, has_segments=has_segments, dtype=dtype, head_dim=head_dim,
                  soft_cap=logits_soft_cap is not None, sinks=use_sinks, max_logits=record_max_logits)
-    chosen = select_kernel(kernel, platform=platform, **needs)
+    chosen = select_kernel(kernel, platform=platform, **needs, kv_len=kv_len)
     if kernel != "auto":
         return f"{chosen} (explicit)"
     runs, why = exchange.step_kernel(chosen)
     if why:
         return f"{runs} (auto on {platform} with kv_exchange={exchange.name!r}: {why})"
     if chosen == "blockwise":
-        why = {"tpu": splash_unsupported_reason(window=window, max_logits=record_max_logits),
+        why = {"tpu": splash_unsupported_reason(window=window, kv_len=kv_len, max_logits=record_max_logits),
                "gpu": pallas_gpu_unsupported_reason(head_dim=head_dim)}.get(platform)
         return f"blockwise (auto on {platform}" + (f": {why})" if why else ": the portable kernel)")
     if chosen == "pallas_gpu":
@@ -164,7 +168,8 @@ def local_attention(
     chosen = select_kernel(kernel, platform=target_platform(), is_causal=is_causal, window=window,
                            has_segments=q_segment_ids is not None, dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1],
                            soft_cap=logits_soft_cap is not None, sinks=sinks is not None,
-                           max_logits=return_max_logits, residual=return_residual, v_head_dim=v_BSKd.shape[-1])
+                           max_logits=return_max_logits, residual=return_residual, v_head_dim=v_BSKd.shape[-1],
+                           kv_len=k_BSKd.shape[1])
     sinks = varying_sinks(sinks, q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions)
     kw = dict(q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
               kv_segment_ids=kv_segment_ids, is_causal=is_causal, local_window_size=window, scale=scale,

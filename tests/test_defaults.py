@@ -170,7 +170,7 @@ def test_recommended_flags_for_this_host():
 def test_splash_layers_take_the_rule_measured_with_splash():
     """The rule is per kernel: with splash in the layer (what kernel="auto" runs on a TPU) the v5e Ulysses
     grouping is the one measured with splash; layouts splash was not re-measured for keep the blockwise one;
-    a windowed layer (blockwise on TPU) keeps the blockwise rule."""
+    a layer splash cannot serve (the max-logit statistic: blockwise on TPU) keeps the blockwise rule."""
     splash = choose(platform="tpu", chip="v5e", c=1, u=4, t=2, num_heads=32, kernel="splash")
     blockwise = choose(platform="tpu", chip="v5e", c=1, u=4, t=2, num_heads=32)
     assert (splash.overlap_chunks, splash.fused_qkv_chunks, blockwise.overlap_chunks) == (2, 1, 4)
@@ -179,5 +179,6 @@ def test_splash_layers_take_the_rule_measured_with_splash():
     assert colossal == choose(platform="tpu", chip="v5e", c=4, u=1, t=4, num_heads=32)
     spec = jax_cp.AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, is_causal=True)
     assert spec._tpu_kernel("tpu") == "splash" and spec._tpu_kernel("gpu") == "blockwise"
-    assert spec.replace(local_window_size=(128, 0))._tpu_kernel("tpu") == "blockwise"
+    assert spec.replace(local_window_size=(128, 0))._tpu_kernel("tpu") == "splash"  # windows too, now
+    assert spec.replace(record_max_logits=True)._tpu_kernel("tpu") == "blockwise"
     assert spec.replace(kernel="blockwise")._tpu_kernel("tpu") == "blockwise"

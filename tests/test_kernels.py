@@ -123,6 +123,9 @@ def test_block_size_errors_name_the_parameter(name, value):
 SPLASH = [  # interpret mode: the same Pallas kernel that runs on TPU, emulated
     (2, 40, 72, 4, 2, 8, BF16, "shuffled", 9, dict(is_causal=True)),
     (1, 24, 48, 6, 3, 8, F32, "shuffled", "orphan", dict(scale=0.7)),
+    # windows: both bounds packed per query; one kv head runs splash's MQA form
+    (2, 24, 40, 4, 2, 8, BF16, "shuffled", 9, dict(is_causal=True, local_window_size=(6, 0))),
+    (1, 40, 56, 6, 1, 16, F32, "shuffled", "orphan", dict(local_window_size=(3, 5))),
 ]
 
 
@@ -175,7 +178,10 @@ def test_future_tokens_get_exactly_zero_gradient():
 
 AUTO = [  # platform, mask, dtype, head_dim -> kernel
     ("tpu", dict(is_causal=True, window=None, has_segments=True), BF16, 128, "splash"),
-    ("tpu", dict(is_causal=True, window=(128, 0), has_segments=False), BF16, 128, "blockwise"),
+    ("tpu", dict(is_causal=True, window=(128, 0), has_segments=False), BF16, 128, "splash"),
+    ("tpu", dict(is_causal=True, window=(128, 0), has_segments=False, kv_len=8192), BF16, 128, "splash"),
+    ("tpu", dict(is_causal=True, window=(128, 0), has_segments=False, kv_len=131072), BF16, 128, "blockwise"),
+    ("tpu", dict(is_causal=True, window=None, has_segments=False, kv_len=131072), BF16, 128, "splash"),
     ("gpu", dict(is_causal=False, window=None, has_segments=False), BF16, 128, "cudnn"),
     ("gpu", dict(is_causal=True, window=None, has_segments=False), BF16, 128, "pallas_gpu"),
     ("gpu", dict(is_causal=False, window=None, has_segments=False), F32, 128, "pallas_gpu"),
@@ -190,7 +196,9 @@ def test_auto_selection(platform, mask, dtype, head_dim, want):
 
 
 ERRORS = [
-    (dict(kernel="splash", platform="tpu", window=(4, 0)), r"kernel='splash' cannot serve this call: local_window_size=\(4, 0\)"),
+    (dict(kernel="splash", platform="tpu", window=(4, 0), kv_len=65536),
+     r"kernel='splash' cannot serve this call: local_window_size=\(4, 0\) over 65536 keys in one kernel call: "
+     r"splash gets a window's two bounds per query in 16 bits each, so at most 65408 keys"),
     (dict(kernel="cudnn", platform="cpu"), r"kernel='cudnn' needs a CUDA GPU, but the target platform is 'cpu'"),
     (dict(kernel="cudnn", platform="gpu", is_causal=True), r"kernel='cudnn' cannot serve this call: is_causal=True"),
     (dict(kernel="cudnn", platform="gpu", has_segments=True), r"segment_ids are not expressible"),
@@ -210,8 +218,8 @@ def test_kernel_choice_errors(spec, match):
 def test_errors_reach_the_caller():
     mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2)
     (q, k, v), _, _ = _inputs(2, 32, 32, 4, 2, 8, F32)
-    with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this call: local_window_size=\(3, 3\)"):
-        jax_cp.dot_product_attention(q, k, v, mesh=mesh, kernel="splash", local_window_size=3)
+    with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this call: the max-logit statistic"):
+        jax_cp.dot_product_attention(q, k, v, mesh=mesh, kernel="splash", return_max_logits=True)
     with pytest.raises(ValueError, match=r"kernel='cudnn' needs a CUDA GPU"):
         jax_cp.dot_product_attention(q, k, v, mesh=mesh, kernel="cudnn")
     with pytest.raises(ValueError, match=r"block_kv=0 must be a positive int"):
@@ -247,7 +255,8 @@ def test_every_strategy_uses_the_selected_kernel(kernel, cut, K, mask, dtype, pr
 
 
 def test_splash_compiles_for_tpu():
-    """``auto`` on TPU lowers splash through Mosaic (libtpu ahead-of-time), windows fall back to blockwise."""
+    """``auto`` on TPU lowers splash through Mosaic (libtpu ahead-of-time), windows too (their packed
+    bounds decoded in the kernel)."""
     pytest.importorskip("libtpu", reason="libtpu is needed for TPU ahead-of-time compilation")
     from jax.experimental import topologies
 
@@ -265,13 +274,14 @@ def test_splash_compiles_for_tpu():
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile().as_text()
 
     assert compiled(is_causal=True).count("tpu_custom_call") >= 3  # splash forward, dq, dkv
-    assert "tpu_custom_call" not in compiled(is_causal=True, local_window_size=(128, 0))
+    assert compiled(is_causal=True, local_window_size=(128, 0)).count("tpu_custom_call") >= 3
 
 
 def test_describe_says_what_auto_chose_and_why():
     assert kernels.describe(platform="tpu", kv_exchange="ring", is_causal=True) == "splash (auto on tpu)"
-    assert kernels.describe(platform="tpu", is_causal=True, local_window_size=(128, 0)).startswith(
-        "blockwise (auto on tpu: local_window_size=(128, 0) needs two bounds per query")
+    assert kernels.describe(platform="tpu", is_causal=True, local_window_size=(128, 0)) == "splash (auto on tpu)"
+    assert kernels.describe(platform="tpu", is_causal=True, local_window_size=(128, 0), kv_len=131072).startswith(
+        "blockwise (auto on tpu: local_window_size=(128, 0) over 131072 keys in one kernel call")
     assert kernels.describe(platform="gpu", kv_exchange="ring") == (
         "pallas_gpu (auto on gpu with kv_exchange='ring': the ring's steps merge log-sum-exps, "
         "which cuDNN does not return)")
@@ -280,5 +290,22 @@ def test_describe_says_what_auto_chose_and_why():
     assert kernels.describe(kernel="splash", platform="tpu") == "splash (explicit)"
     with pytest.raises(ValueError, match=r"kernel='xla' cannot run kv_exchange='ring'"):
         kernels.describe(kernel="xla", kv_exchange="ring")
-    with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this call: local_window_size=\(4, 0\)"):
-        kernels.describe(kernel="splash", platform="tpu", local_window_size=(4, 0))
+    assert kernels.describe(kernel="splash", platform="tpu", local_window_size=(4, 0)) == "splash (explicit)"
+    with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this call: local_window_size=\(4, 0\) over"):
+        kernels.describe(kernel="splash", platform="tpu", local_window_size=(4, 0), kv_len=10**5)
+
+
+def test_splash_needs_its_private_entry_points(monkeypatch):
+    """Splash runs on two private pieces of JAX (the vma switch and the backward from given residuals);
+    both JAX lines we test have them. On a release without them ``auto`` runs blockwise and says why,
+    and an explicit ``kernel="splash"`` is a ValueError, never a crash deep in a trace."""
+    from jax_cp import _splash
+
+    assert _splash.unavailable_reason() is None
+    why = "this JAX (9.9) has no jax._src.config._check_vma switch"
+    monkeypatch.setattr(_splash, "unavailable_reason", lambda: why)
+    mask = dict(is_causal=True, window=None, has_segments=False, dtype=BF16, head_dim=128)
+    assert kernels.select_kernel("auto", platform="tpu", **mask) == "blockwise"
+    assert kernels.describe(platform="tpu", kv_exchange="ring") == f"blockwise (auto on tpu: {why})"
+    with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this call: this JAX \(9\.9\)"):
+        kernels.select_kernel("splash", platform="tpu", **mask)

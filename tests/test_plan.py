@@ -201,6 +201,66 @@ ENTRY %main (x: bf16[8,16], w: bf16[16,16], s: bf16[4,16]) -> (bf16[8,16], bf16[
 """
 
 
+# A ring-style loop: a permute carried into the next trip with a matmul inside, five trips (fori_loop's
+# condition form), and one exposed permute of the same bytes in the entry computation.
+HLO_LOOP = """HloModule jit_ring, is_scheduled=true
+
+%fused_matmul (p0: bf16[8,16], p1: bf16[16,16]) -> bf16[8,16] {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  %p1 = bf16[16,16]{1,0} parameter(1)
+  ROOT %convolution.1 = bf16[8,16]{1,0} convolution(%p0, %p1), dim_labels=bf_io->bf
+}
+
+%cond (c: (s32[], bf16[8,16], bf16[16,16])) -> pred[] {
+  %c = (s32[], bf16[8,16]{1,0}, bf16[16,16]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%c), index=0
+  %five = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i.1, %five), direction=LT
+}
+
+%body (b: (s32[], bf16[8,16], bf16[16,16])) -> (s32[], bf16[8,16], bf16[16,16]) {
+  %b = (s32[], bf16[8,16]{1,0}, bf16[16,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %kv = bf16[8,16]{1,0} get-tuple-element(%b), index=1
+  %w = bf16[16,16]{1,0} get-tuple-element(%b), index=2
+  %collective-permute-start = (bf16[8,16]{1,0}, bf16[8,16]{1,0}) collective-permute-start(%kv), channel_id=1, source_target_pairs={{0,4},{4,0},{1,5},{5,1},{2,6},{6,2},{3,7},{7,3}}, metadata={op_name="jit(ring)/jvp()/shard_map/ppermute"}
+  %fusion = bf16[8,16]{1,0} fusion(%kv, %w), kind=kOutput, calls=%fused_matmul
+  %collective-permute-done = bf16[8,16]{1,0} collective-permute-done(%collective-permute-start)
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], bf16[8,16]{1,0}, bf16[16,16]{1,0}) tuple(%next, %collective-permute-done, %w)
+}
+
+ENTRY %main (x: bf16[8,16], w: bf16[16,16]) -> bf16[8,16] {
+  %x = bf16[8,16]{1,0} parameter(0)
+  %w.0 = bf16[16,16]{1,0} parameter(1)
+  %collective-permute-start.1 = (bf16[8,16]{1,0}, bf16[8,16]{1,0}) collective-permute-start(%x), channel_id=2, source_target_pairs={{0,4},{4,0},{1,5},{5,1},{2,6},{6,2},{3,7},{7,3}}, metadata={op_name="jit(ring)/jvp()/shard_map/ppermute"}
+  %collective-permute-done.1 = bf16[8,16]{1,0} collective-permute-done(%collective-permute-start.1)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[8,16]{1,0}, bf16[16,16]{1,0}) tuple(%zero, %collective-permute-done.1, %w.0)
+  %while = (s32[], bf16[8,16]{1,0}, bf16[16,16]{1,0}) while(%init), condition=%cond, body=%body
+  %out = bf16[8,16]{1,0} get-tuple-element(%while), index=1
+  ROOT %fusion.9 = bf16[8,16]{1,0} fusion(%out, %w.0), kind=kOutput, calls=%fused_matmul
+}
+"""
+
+
+def test_parser_counts_loop_transfers_per_trip():
+    """A transfer a loop carries into its next trip feeds that trip's matmul: a CP transfer, counted once per
+    trip in the overlap fraction (5 hidden trips against 1 exposed transfer); HBM bytes of the body's other
+    trips are what a cost analysis counting the body once leaves out."""
+    from jax_cp.plan._hlo import loop_bytes
+
+    s = plan.analyze_schedule(HLO_LOOP, **MESH)
+    loop, entry = s.collectives
+    assert (loop.in_loop, loop.iterations, loop.overlapped, loop.axes) == (True, 5, True, ("cp_colossal",))
+    assert s.is_cp(loop) and s.is_cp(entry) and not entry.overlapped
+    assert s.overlap_fraction("fwd") == pytest.approx(5 / 6)
+    # One trip: the permute start reads 256 B and holds two 256 B buffers; the fusion reads 256 + 512 B and
+    # writes 256 B; the counter add 12 B. Four more trips than the one counted.
+    assert loop_bytes(HLO_LOOP) == 4 * ((256 + 512) + (256 + 512 + 256) + 12)
+
+
 def test_parser_on_hand_written_hlo_jax_0_12_form():
     """Named-mesh replica groups, async-start calling the collective's computation, `%name#k` operands."""
     s = plan.analyze_schedule(HLO_MESH, **MESH)
@@ -481,7 +541,7 @@ def test_cli_prints_the_report():
     out = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     for needle in ("jax_cp plan: v5e:2x4", "overlap fraction fwd", "ESTIMATED step time", "all-to-all",
-                   "fused_qkv_chunks=1", "kernel (kernel=auto): splash (splash_mha_dkv x", "kernel that ran",
+                   "fused_qkv_chunks=1", "kernel (kernel=auto): splash (splash_mqa_dkv x", "kernel that ran",
                    "FLOPs per device (shapes, model)", "est. MFU (model FLOPs / step)"):
         assert needle in out.stdout
     bad = subprocess.run([*cmd[:7], "--seq-len", "512", "--cp-ulysses", "3"],

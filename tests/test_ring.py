@@ -3,6 +3,7 @@ import os
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # xdist workers may each load libtpu for AOT compiles
 
+import math
 import re
 
 import jax
@@ -53,6 +54,10 @@ SPLASH_CASES = [  # interpret mode: the TPU kernel emulated; (c, u, t), K, mask,
     ((4, 2, 1), 1, dict(is_causal=True, segments=True), F32, False),  # packed documents, MQA
     ((2, 2, 2), 4, dict(segments=True), F32, True),  # hybrid x tp, full attention within documents
     ((2, 2, 1), 2, dict(is_causal=True, segments=True), BF16, True),  # dp = 2, bfloat16
+    # windows (both bounds per query, packed): causal sliding window over load-balanced documents with
+    # two kv heads per device (splash's MHA form, grouped); a two-sided window
+    ((4, 2, 1), 4, dict(is_causal=True, local_window_size=(9, 0), segments=True), F32, True),
+    ((2, 2, 2), 2, dict(local_window_size=(5, 3)), F32, False),
 ]
 
 
@@ -74,6 +79,8 @@ def test_ring_with_splash_matches_reference(cut, K, mask, dtype, balanced):
     ref = lambda q, k, v: reference.dot_product_attention(q, k, v, **kw)
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda q: f(q, k, v).astype(F32).sum()))(q))
     assert "pallas_call" in jaxpr and "ppermute" in jaxpr
+    one_kv_head = math.lcm(K, u * t) == u * t  # per device after the Ulysses split: splash's MQA form
+    assert ("splash_mqa_fwd" in jaxpr) == one_kv_head and ("splash_mha_fwd" in jaxpr) != one_kv_head
     assert_matches(f, ref, (q, k, v), ct, dtype, f"{cut=} {K=} {mask=} {balanced=}")
 
 
@@ -104,9 +111,9 @@ def test_ring_errors():
         jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="ring", kernel="xla")
     with pytest.raises(ValueError, match=r"kernel='xla' cannot run kv_exchange='ring'"):  # at construction
         jax_cp.CPAttention(8, 16, mesh=mesh, kv_exchange="ring", kernel="xla", rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this call: local_window_size=\(4, 0\)"):
+    with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this call: the max-logit statistic"):
         jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="ring", kernel="splash",
-                                     is_causal=True, local_window_size=(4, 0))
+                                     is_causal=True, return_max_logits=True)
     with pytest.raises(ValueError, match=r"kv_exchange='tree' must be one of \('all_gather', 'all_to_all', 'ring'\)"):
         jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="tree")
 
@@ -203,7 +210,7 @@ def _splash_calls_in_ring_loops(hlo: str) -> list[list[str]]:
     found = []
     for name in bodies & comps.keys():
         text = "\n".join(comps[name])
-        calls = sorted(set(re.findall(r"%(splash_mha_(?:fwd|dq|dkv))_[\w.]+ = ", text)))
+        calls = sorted(set(re.findall(r"%(splash_m[hq]a_(?:fwd|dq|dkv))_[\w.]+ = ", text)))
         if "collective-permute-start(" in text and calls:
             found.append(calls)
     return found

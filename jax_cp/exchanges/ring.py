@@ -185,16 +185,21 @@ _splash_ring.defvjp(_splash_ring_fwd, _splash_ring_bwd)
 
 
 def splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_name: str, is_causal=False,
-                          scale=None, logits_soft_cap=None, sinks=None, kv_seg_BT=None, kv_pos_BT=None,
-                          interpret: bool = False):
-    """As :func:`ring_attention` (no window) with the splash kernel in every step.
+                          local_window_size=None, scale=None, logits_soft_cap=None, sinks=None, kv_seg_BT=None,
+                          kv_pos_BT=None, interpret: bool = False):
+    """As :func:`ring_attention` with the splash kernel in every step (windows over chunks of at most
+    ``_splash.MAX_WINDOW_KEYS`` keys).
 
     ``interpret=True`` runs the Pallas kernels in interpret mode (any backend; for tests)."""
     T = q_BTHd.shape[1]
+    window = normalize_window(local_window_size)
+    reason = sp.splash_unsupported_reason(window=window, kv_len=k_BTKd.shape[1])
+    if reason:
+        raise ValueError(f"kernel='splash' cannot run this ring: {reason}; use kernel='blockwise' (or 'auto').")
     qx, qm, home, step = sp.ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, scale=scale,
                                          is_causal=is_causal, interpret=interpret,
                                          soft_cap=bw.check_soft_cap(logits_soft_cap), kv_seg_BT=kv_seg_BT,
-                                         kv_pos_BT=kv_pos_BT)
+                                         kv_pos_BT=kv_pos_BT, window=window)
     sinks = bw.varying_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT)
     o = _splash_ring(qx, qm, home, sinks, axis_name, step)
     return jnp.swapaxes(o[:, :, :T], 1, 2)
@@ -249,24 +254,27 @@ class Ring(KVExchange):
         runs = "pallas_gpu" if chosen == "cudnn" else "blockwise"  # cuDNN was chosen on a GPU
         return runs, f"the ring's steps merge log-sum-exps, which {name} does not return"
 
-    def kernel(self, spec, q_BTHd, has_segments: bool) -> str:
-        """The kernel each ring step runs: ``auto`` is splash on TPU when the call is expressible
-        there (no window, no max-logit statistic), pallas_gpu on GPU, blockwise otherwise; an
-        explicit choice that cannot serve raises."""
+    def kernel(self, spec, q_BTHd, k_BTKd, has_segments: bool) -> str:
+        """The kernel each ring step runs (``k_BTKd``: the chunk that travels): ``auto`` is splash on
+        TPU when the call is expressible there (windows over chunks of at most
+        ``_splash.MAX_WINDOW_KEYS`` keys, no max-logit statistic), pallas_gpu on GPU, blockwise
+        otherwise; an explicit choice that cannot serve raises."""
         chosen = _kernels.select_kernel(spec.kernel, platform=_kernels.target_platform(), is_causal=spec.is_causal,
                                         window=normalize_window(spec.local_window_size), has_segments=has_segments,
                                         dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1],
                                         soft_cap=spec.logits_soft_cap is not None,
-                                        max_logits=spec.record_max_logits, residual=spec.return_residual)
+                                        max_logits=spec.record_max_logits, residual=spec.return_residual,
+                                        kv_len=k_BTKd.shape[1])
         return self.step_kernel(chosen)[0]
 
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
         pos, seg = seq_chunk(meta.pos, (COLOSSAL,)), seq_chunk(meta.seg, (COLOSSAL,))
         kv_seg, kv_pos = seq_chunk(meta.kv_seg, (COLOSSAL,)), seq_chunk(meta.kv_pos, (COLOSSAL,))
-        step = self.kernel(spec, q_BTHd, seg is not None)
+        step = self.kernel(spec, q_BTHd, k_BTKd, seg is not None)
         if step == "splash":
             return splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL,
-                                         is_causal=spec.is_causal, scale=spec.scale,
+                                         is_causal=spec.is_causal, local_window_size=spec.local_window_size,
+                                         scale=spec.scale,
                                          logits_soft_cap=spec.logits_soft_cap, sinks=sinks, kv_seg_BT=kv_seg,
                                          kv_pos_BT=kv_pos, interpret=_kernels.target_platform() != "tpu")
         return ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL, is_causal=spec.is_causal,

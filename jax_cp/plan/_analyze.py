@@ -26,7 +26,7 @@ from jax_cp.plan import _auto
 from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
 from jax_cp.plan._chips import chip_for
 from jax_cp.plan._flags import compiler_options, recommended_xla_flags
-from jax_cp.plan._hlo import analyze_schedule
+from jax_cp.plan._hlo import analyze_schedule, loop_bytes
 from jax_cp.plan._models import ModelSpec, model_spec
 from jax_cp.plan._report import Analysis, Report, analysis_of
 
@@ -109,14 +109,14 @@ def _analyze_compiled(fn, args, label, mesh, chip, budget, flags, donate_argnums
         elapsed = time.perf_counter() - t0
         text = _scheduled_text(compiled, dump)
     schedule = analyze_schedule(text, mesh_shape=tuple(mesh.shape.values()), axis_names=tuple(mesh.axis_names))
-    return dataclasses.replace(analysis_of(label, compiled, schedule, chip, budget, elapsed),
+    return dataclasses.replace(analysis_of(label, compiled, schedule, chip, budget, elapsed, loop_bytes(text)),
                                kernel_calls=kernel_calls(text))
 
 
 def kernel_calls(hlo_text: str) -> tuple[tuple[str, int], ...]:
     """``((kernel, count), ...)`` of the splash attention kernels called in a scheduled HLO text
     (forward, dq and dK/dV; loop bodies count once)."""
-    names = re.findall(r"%(splash_mha_(?:fwd|dq|dkv))\w*(?:\.\d+)? = [^\n]*custom-call\(", hlo_text)
+    names = re.findall(r"%(splash_m[hq]a_(?:fwd|dq|dkv))\w*(?:\.\d+)? = [^\n]*custom-call\(", hlo_text)
     return tuple(sorted(collections.Counter(names).items()))
 
 

@@ -34,7 +34,8 @@ import numpy as np
 
 from jax_cp.plan._hlo_text import Instr, _balanced, array_bytes, parse_module, tuple_element
 
-__all__ = ["Instr", "Collective", "Schedule", "parse_module", "analyze_schedule", "instr_flops", "COLLECTIVE_KINDS"]
+__all__ = ["Instr", "Collective", "Schedule", "parse_module", "analyze_schedule", "instr_flops", "loop_bytes",
+           "COLLECTIVE_KINDS"]
 
 COLLECTIVE_KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 PHASES = ("fwd", "bwd")
@@ -515,6 +516,33 @@ def _sum_flops(mod, comp: str, instrs, depth: int = 0) -> float | None:
             return None
         total += f
     return total
+
+
+# Ops that move no data through HBM themselves (structure, aliases, loops counted by their bodies,
+# the done half of an async pair whose start was counted).
+_NO_TRAFFIC = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+    "after-all", "partition-id", "replica-id", "opt-barrier", "async-done", "async-update", "copy-done",
+    *(k + "-done" for k in COLLECTIVE_KINDS),
+})
+
+
+def instr_bytes(mod, comp: str, i: Instr) -> int:
+    """HBM bytes one scheduled instruction reads and writes: its operands and results, once each
+    (as the compiler's cost analysis counts a fusion, or a custom call without a cost estimate)."""
+    if i.opcode in _NO_TRAFFIC:
+        return 0
+    table = mod.by_name[comp]
+    return sum(array_bytes(_operand_shape(table, r)) for r in i.refs) + array_bytes(i.shape)
+
+
+def loop_bytes(text_or_module) -> float:
+    """HBM bytes that a cost analysis counting each loop body once leaves out: every body's traffic
+    (``instr_bytes``) for all its runs but one, runs read from the loop conditions (bodies whose trip
+    count is data-dependent, like the blockwise kernel's block loops, run once: a lower bound)."""
+    mod = text_or_module if isinstance(text_or_module, _Module) else _Module(text_or_module)
+    return float(sum((runs - 1) * sum(instr_bytes(mod, body, i) for i in mod.comps.get(body, ()))
+                     for body, runs in mod.iterations().items() if runs > 1))
 
 
 def _describe(mod, comp, i, names, instrs, done_pos, inside, is_async, mesh_shape, axis_names) -> Collective:

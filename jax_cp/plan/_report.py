@@ -105,8 +105,12 @@ class Analysis:
         return format_programs([self])
 
 
-def analysis_of(label: str, compiled, schedule: Schedule, chip: Chip, budget: int, compile_s: float) -> Analysis:
-    """Reads memory and cost from a compiled program and estimates its step time on ``chip``."""
+def analysis_of(label: str, compiled, schedule: Schedule, chip: Chip, budget: int, compile_s: float,
+                loop_bytes: float = 0.0) -> Analysis:
+    """Reads memory and cost from a compiled program and estimates its step time on ``chip``.
+
+    ``loop_bytes``: HBM bytes of loop bodies' further trips (``plan._hlo.loop_bytes``), which the
+    compiler's cost analysis, counting each body once, leaves out."""
     m = compiled.memory_analysis()
     memory = Memory(
         arguments=int(m.argument_size_in_bytes), outputs=int(m.output_size_in_bytes),
@@ -116,7 +120,7 @@ def analysis_of(label: str, compiled, schedule: Schedule, chip: Chip, budget: in
     )
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)) + loop_bytes
     comm = [c.wire_bytes * c.iterations / chip.device_ici_bandwidth for c in schedule.collectives]
     exposed = [t for t, c in zip(comm, schedule.collectives) if not c.overlapped]
     estimate = Estimate(
@@ -203,8 +207,9 @@ def format_programs(programs: list[Analysis], grouped: bool = False) -> str:
         ("FLOPs per device (compiler)", lambda p: f"{p.flops:.3e}"),
         ("FLOPs per device (shapes, model)", lambda p: "-" if p.model_flops is None else f"{p.model_flops:.3e}"),
         ("FLOPs executed (with recompute)", lambda p: "-" if p.executed_flops is None else f"{p.executed_flops:.3e}"),
-        ("CP collective bytes fwd", lambda p: _b(sum(c.bytes for c in p.schedule.select("fwd")))),
-        ("CP collective bytes bwd", lambda p: _b(sum(c.bytes for c in p.schedule.select("bwd")))),
+        ("CP collective bytes fwd", lambda p: _b(sum(c.bytes * c.iterations for c in p.schedule.select("fwd")))),
+        ("CP collective bytes bwd", lambda p: _b(sum(c.bytes * c.iterations for c in p.schedule.select("bwd")))),
+        ("HBM bytes (loops x trips)", lambda p: _b(p.bytes_accessed)),
         ("overlap fraction fwd", lambda p: _f(p.overlap("fwd"))),
         ("overlap fraction bwd", lambda p: _f(p.overlap("bwd"))),
         ("overlap fraction fwd+bwd", lambda p: _f(p.overlap())),
