@@ -18,12 +18,12 @@ from jax.sharding import PartitionSpec as P
 
 from jax_cp._body import attention_shard, check_dtype, metadata_sides, placed_metadata, shard_call, shard_meta
 from jax_cp._defaults import AUTO
-from jax_cp._mesh import CP, DP, TP, mesh_dims, place
+from jax_cp._mesh import CP, DP, TP, gather, mesh_dims, place
 from jax_cp._projection import LinearProjections
 from jax_cp._spec import AttentionSpec, Layout, check_seq_batch
 
 __all__ = ["AttentionSharding", "LayerCall", "compute_specs", "init_param", "kv_inputs", "layer_call", "layer_forward",
-           "param_shapes", "param_specs", "storage_specs"]
+           "gather_stored", "param_shapes", "param_specs", "storage_specs"]
 
 X_SPEC = P(DP, CP, None)
 PARAMS = ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm",
@@ -199,6 +199,14 @@ def layer_forward(params: dict, x_BSD, *, mesh, **kw):
     call = layer_call(params, x_BSD, mesh=mesh, **kw)
     fn = partial(_layer_shard, **call.kwargs, n_kv=len(kw.get("kv_x", ())))
     return shard_call(fn, mesh, tuple(call.in_specs), call.out_specs, call.args)
+
+
+def gather_stored(params: dict, stored: dict, spec: AttentionSpec, mesh) -> dict:
+    """Parameters stored sharded beyond their compute layout (``AttentionSharding``, e.g. FSDP) gathered to
+    it explicitly (``_mesh.gather``: their gradients become reduce-scatters); the rest as they are."""
+    specs = compute_specs(spec, mesh)
+    return {k: v if stored.get(k) is None or P(*stored[k]) == specs[k] else gather(v, mesh, P(*stored[k]), specs[k])
+            for k, v in params.items()}
 
 
 def compute_specs(spec: AttentionSpec, mesh) -> dict[str, P]:

@@ -115,6 +115,33 @@ def place(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
+def _axes_of(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def gather(x: jax.Array, mesh: Mesh, stored: P, spec: P) -> jax.Array:
+    """``x``, stored as ``stored`` (the layout ``spec`` plus storage axes on dimensions ``spec`` leaves
+    whole, e.g. FSDP), in the layout ``spec``: one explicit all-gather per such dimension inside
+    ``shard_map``, whose transpose is a reduce-scatter (``psum_scatter``): the gradient sum then
+    moves half an all-reduce's bytes (each device keeps its shard), where the compiler's own
+    resharding made it an all-reduce of the whole weight. Other layouts: :func:`place`."""
+    rank = x.ndim
+    stored_e, spec_e = [list(p) + [None] * (rank - len(p)) for p in (stored, spec)]
+    dims = [(i, _axes_of(a)) for i, (a, b) in enumerate(zip(stored_e, spec_e)) if a is not None and b is None]
+    same = all(a == b for i, (a, b) in enumerate(zip(stored_e, spec_e)) if i not in dict(dims))
+    if not dims or not same:
+        return place(x, mesh, spec)
+
+    def shard(w):
+        for i, axes in dims:
+            w = jax.lax.all_gather(w, axes, axis=i, tiled=True)
+        return w
+
+    # all_gather's result is typed varying (only all_gather_invariant's is not, and that one transposes to a
+    # slice, not a reduce-scatter): the gathered weight is the same on every device, so the check is off.
+    return jax.shard_map(shard, mesh=mesh, in_specs=stored, out_specs=spec, check_vma=False)(place(x, mesh, stored))
+
+
 def lcm(a: int, b: int) -> int:
     return a * b // math.gcd(a, b)
 

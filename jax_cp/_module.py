@@ -6,7 +6,8 @@ from flax import nnx
 
 from jax_cp import _decode
 from jax_cp._defaults import AUTO, Choice
-from jax_cp._layer import AttentionSharding, init_param, kv_inputs, layer_forward, param_shapes, storage_specs
+from jax_cp._layer import (AttentionSharding, gather_stored, init_param, kv_inputs, layer_forward, param_shapes,
+                            storage_specs)
 from jax_cp._mesh import place
 from jax_cp._spec import AttentionSpec
 
@@ -113,6 +114,8 @@ class CPAttention(nnx.Module):
         ``T`` new tokens per sequence ``[B, T, D]`` to the cache at positions ``cache_index + t``.
         """
         params = {name: getattr(self, name)[...] for name in param_shapes(self.spec)}
+        params = gather_stored(params, {n: getattr(self, n).get_metadata().get("out_sharding") for n in params},
+                               self.spec, self.mesh)
         decode = self.decode if decode is None else decode
         if prefill or decode:
             _decode.check_inference(self.spec, kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), prefill)

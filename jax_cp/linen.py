@@ -9,7 +9,8 @@ import jax.numpy as jnp
 
 from jax_cp import _decode
 from jax_cp._defaults import AUTO
-from jax_cp._layer import AttentionSharding, init_param, kv_inputs, layer_forward, param_shapes, storage_specs
+from jax_cp._layer import (AttentionSharding, gather_stored, init_param, kv_inputs, layer_forward, param_shapes,
+                            storage_specs)
 from jax_cp._mesh import is_explicit, place
 from jax_cp._spec import AttentionSpec
 
@@ -80,6 +81,7 @@ class CPAttention(nn.Module):
             init = lambda key, shape, dtype, name=name: _born_placed(
                 init_param(name, shape, key, dtype, self.kernel_init), self.mesh, specs[name])
             params[name] = self.param(name, nn.with_partitioning(init, tuple(specs[name])), shape, self.param_dtype)
+        params = gather_stored(params, specs, spec, self.mesh)
         decode = self.decode if decode is None else decode
         if (prefill or decode) and self.has_variable("cache", "cached_key"):
             _decode.check_inference(spec, kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), prefill)

@@ -4,7 +4,7 @@ Token embedding -> L x [RMSNorm -> causal GQA attention (RoPE from global
 positions, optional QK-norm) -> residual -> RMSNorm -> SwiGLU MLP -> residual]
 -> RMSNorm -> tied or untied vocabulary head. Parameters are float32 and
 sharded over ``tp`` (heads, MLP columns/rows, vocabulary), optionally FSDP over
-``dp``; the matmuls run in ``dtype`` (bfloat16 by default).
+``dp`` (and the CP axes: ``fsdp_axes``); the matmuls run in ``dtype`` (bfloat16 by default).
 Letters: B batch, S sequence, D model width, F MLP width, V vocabulary.
 """
 from __future__ import annotations
@@ -18,9 +18,10 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import jax_cp
 from jax_cp._checks import check_positive_fields
+from jax_cp._mesh import gather
 
 __all__ = [
-    "CONFIGS", "Llama", "LlamaConfig", "Sharding", "abstract_model", "attention_sharding", "get_config",
+    "CONFIGS", "FSDP_AXES", "Llama", "LlamaConfig", "Sharding", "abstract_model", "attention_sharding", "get_config",
     "next_token_loss", "param_count",
 ]
 
@@ -86,31 +87,50 @@ def param_count(cfg: LlamaConfig) -> int:
     return cfg.vocab_size * D + cfg.num_layers * block + D + head
 
 
+FSDP_AXES = (DP, *CP)  # the axes a parameter is replicated over in compute: FSDP may store it sharded there
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sharding:
     """Where parameters are stored and where activations live.
 
-    ``fsdp=True`` additionally shards every weight matrix over ``dp`` for
-    storage; each matmul gathers its weight to the ``tp``-only layout first
-    (:meth:`compute`).
+    ``fsdp=True`` additionally shards every weight matrix for storage over ``fsdp_axes``
+    (``("dp",)`` by default; ``FSDP_AXES`` adds the CP axes): each matmul gathers its weight to
+    the ``tp``-only layout first (:meth:`compute`, an explicit all-gather: ``jax_cp._mesh.gather``),
+    so the gradient sum of a weight over those axes is a reduce-scatter, half the bytes of a
+    replicated weight's all-reduce (the TPU compiler still runs both synchronously in the
+    schedules measured: benchmarks/RESULTS.md, "A whole training step").
     """
 
     fsdp: bool = False
+    fsdp_axes: tuple[str, ...] = (DP,)
     x_BSD: P = P(DP, CP, None)
     h_BSF: P = P(DP, CP, TP)
     logits_BSV: P = P(DP, CP, TP)
     tokens_BS: P = P(DP, CP)
 
+    def __post_init__(self):
+        axes = tuple(self.fsdp_axes)
+        if not axes or not set(axes) <= set(FSDP_AXES) or len(set(axes)) != len(axes):
+            raise ValueError(f"fsdp_axes={self.fsdp_axes!r} must be distinct names among {FSDP_AXES} (the axes "
+                             "weights are replicated over); e.g. ('dp',) or ('dp', 'cp_colossal', 'cp_ulysses').")
+        object.__setattr__(self, "fsdp_axes", axes)
+
     def store(self, spec: P, shape, mesh) -> P:
-        """``spec`` (the tp layout), plus ``dp`` on the largest free dimension it divides when FSDP."""
-        dp = dict(mesh.shape)[DP]
-        if not self.fsdp or dp == 1:
+        """``spec`` (the tp layout), plus the FSDP axes (those of size > 1) on the largest free dimension
+        their product divides, when FSDP."""
+        sizes = dict(mesh.shape)
+        axes = tuple(a for a in self.fsdp_axes if sizes[a] > 1)
+        n = 1
+        for a in axes:
+            n *= sizes[a]
+        if not self.fsdp or n == 1:
             return spec
         dims = list(spec) + [None] * (len(shape) - len(spec))
-        free = [i for i, a in enumerate(dims) if a is None and shape[i] % dp == 0]
+        free = [i for i, a in enumerate(dims) if a is None and shape[i] % n == 0]
         if not free:
             return spec
-        dims[max(free, key=lambda i: shape[i])] = DP
+        dims[max(free, key=lambda i: shape[i])] = axes[0] if len(axes) == 1 else axes
         return P(*dims)
 
     def decoding(self) -> "Sharding":
@@ -120,8 +140,9 @@ class Sharding:
 
     @staticmethod
     def compute(spec: P) -> P:
-        """The layout a weight is used in: its storage layout without ``dp``."""
-        return P(*(None if a == DP else a for a in spec))
+        """The layout a weight is used in: its storage layout without the FSDP axes."""
+        fsdp = lambda a: a in FSDP_AXES or (isinstance(a, tuple) and set(a) <= set(FSDP_AXES))  # noqa: E731
+        return P(*(None if fsdp(a) else a for a in spec))
 
 
 def _param(mesh, sharding: Sharding, value, spec: P) -> nnx.Param:
@@ -130,9 +151,10 @@ def _param(mesh, sharding: Sharding, value, spec: P) -> nnx.Param:
 
 
 def _weight(param: nnx.Param, mesh, dtype):
-    """A parameter in its compute layout (FSDP all-gather when stored over dp) and dtype."""
-    spec = Sharding.compute(P(*param.get_metadata()["out_sharding"]))
-    return jax_cp.place(param[...], mesh, spec).astype(dtype)
+    """A parameter in its compute layout (an explicit all-gather when FSDP stores it sharded, so that
+    its gradient is a reduce-scatter) and dtype."""
+    stored = P(*param.get_metadata()["out_sharding"])
+    return gather(param[...], mesh, stored, Sharding.compute(stored)).astype(dtype)
 
 
 def attention_sharding(spec: jax_cp.AttentionSpec, mesh, sharding: Sharding) -> jax_cp.AttentionSharding:
@@ -210,11 +232,11 @@ class Llama(nnx.Module):
     decode=True)`` for the next tokens (replicated over the CP axes); ``models.generate`` samples.
     """
 
-    def __init__(self, cfg: LlamaConfig, *, mesh, dtype=jnp.bfloat16, fsdp: bool = False, remat: bool = False,
-                 kernel: str = "auto", kv_exchange="auto", overlap_chunks: int | str = "auto",
-                 fused_qkv_chunks: int | str = "auto", rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, *, mesh, dtype=jnp.bfloat16, fsdp: bool = False,
+                 fsdp_axes: tuple[str, ...] = (DP,), remat: bool = False, kernel: str = "auto", kv_exchange="auto",
+                 overlap_chunks: int | str = "auto", fused_qkv_chunks: int | str = "auto", rngs: nnx.Rngs):
         self.cfg, self.mesh, self.dtype, self.remat = cfg, mesh, jnp.dtype(dtype), remat
-        self.sharding = sharding = Sharding(fsdp=fsdp)
+        self.sharding = sharding = Sharding(fsdp=fsdp, fsdp_axes=fsdp_axes)
         V, D = cfg.vocab_size, cfg.d_model
         embed = nnx.initializers.normal(0.02)(rngs.params(), (V, D), jnp.float32)
         self.embed = _param(mesh, sharding, embed, P(TP, None))

@@ -60,6 +60,7 @@ class TrainConfig:
     cp_ulysses: int = 1
     tp: int = 1
     fsdp: bool = False
+    fsdp_axes: str = "dp"  # comma-separated: the axes --fsdp stores weights (and optimizer state) over
     model: str = "tiny"
     seq_len: int = 256
     batch: int = 8
@@ -116,6 +117,10 @@ class TrainConfig:
             raise ValueError(f"--logits-soft-cap={self.logits_soft_cap} must be > 0 (or left out: no cap).")
         if self.model not in CONFIGS:
             raise ValueError(f"--model={self.model!r} is unknown; choose one of {sorted(CONFIGS)}.")
+        try:
+            Sharding(fsdp_axes=self.fsdp_axes_tuple)
+        except ValueError as e:
+            raise ValueError(f"--fsdp-axes={self.fsdp_axes}: {e}") from None
         cp = self.cp_colossal * self.cp_ulysses
         if self.seq_len % cp:
             raise ValueError(f"--seq-len={self.seq_len} is not divisible by cp_colossal*cp_ulysses="
@@ -136,6 +141,10 @@ class TrainConfig:
                              "process and trains nothing; drop --devices, --resume and the multi-process flags.")
 
     @property
+    def fsdp_axes_tuple(self) -> tuple[str, ...]:
+        return tuple(a.strip() for a in self.fsdp_axes.split(",") if a.strip())
+
+    @property
     def ckpt_dir(self) -> Path:
         return Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.out) / "checkpoints"
 
@@ -150,7 +159,10 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cp-colossal", type=int, default=d.cp_colossal, help="K/V all-gather sequence parallelism")
     g.add_argument("--cp-ulysses", type=int, default=d.cp_ulysses, help="all-to-all sequence parallelism")
     g.add_argument("--tp", type=int, default=d.tp, help="tensor parallelism over heads")
-    g.add_argument("--fsdp", action="store_true", help="also shard parameters and optimizer state over dp")
+    g.add_argument("--fsdp", action="store_true", help="also shard parameters and optimizer state (over --fsdp-axes)")
+    g.add_argument("--fsdp-axes", default=d.fsdp_axes,
+                   help="with --fsdp: the axes to shard them over, comma-separated; dp,cp_colossal,cp_ulysses turns "
+                        "the gradient sums over the CP axes into reduce-scatters, which overlap the backward")
     g = p.add_argument_group("model and optimisation")
     g.add_argument("--model", default=d.model, help="tiny (llama3-8b/70b are shapes for planning)")
     g.add_argument("--seq-len", type=int, default=d.seq_len)
@@ -305,7 +317,8 @@ def model_config(cfg: TrainConfig):
 
 
 def _model_kwargs(cfg: TrainConfig) -> dict:
-    return dict(dtype=jnp.dtype(cfg.dtype), fsdp=cfg.fsdp, remat=cfg.remat, kernel=cfg.kernel,
+    return dict(dtype=jnp.dtype(cfg.dtype), fsdp=cfg.fsdp, fsdp_axes=cfg.fsdp_axes_tuple, remat=cfg.remat,
+                kernel=cfg.kernel,
                 kv_exchange=cfg.kv_exchange, overlap_chunks=cfg.overlap_chunks,
                 fused_qkv_chunks=cfg.fused_qkv_chunks)
 
@@ -447,7 +460,8 @@ def _plan_main(cfg: TrainConfig) -> None:
     mesh = " ".join(f"{k}={v}" for k, v in _plan_mesh(cfg, cfg.plan).shape.items())
     chip = plan.chip_for(cfg.plan)
     print(f"jax_cp plan: one training step of {cfg.model} on {cfg.plan} ({chip.device_kind}), "
-          f"mesh {mesh}\nB={cfg.batch} S={cfg.seq_len} dtype={cfg.dtype} fsdp={cfg.fsdp} remat={cfg.remat} "
+          f"mesh {mesh}\nB={cfg.batch} S={cfg.seq_len} dtype={cfg.dtype} fsdp={cfg.fsdp and cfg.fsdp_axes} "
+          f"remat={cfg.remat} "
           f"kernel={cfg.kernel} kv_exchange={cfg.kv_exchange} overlap_chunks={cfg.overlap_chunks} "
           f"fused_qkv_chunks={cfg.fused_qkv_chunks}\n"
           f"flags: {' '.join(plan.recommended_xla_flags('tpu', chip=chip.name))}\n")

@@ -113,24 +113,36 @@ def _loss_and_grads(model, batch):
 
 @needs_devices(8)
 def test_remat_and_fsdp_change_nothing_but_memory():
-    """Remat plus FSDP over dp give the loss and gradients of the plain model (float32)."""
+    """Remat plus FSDP over dp, and FSDP over dp and the CP axes (weights gathered by explicit all-gathers,
+    their gradients reduce-scattered), give the loss and gradients of the plain model (float32)."""
     mesh = jax_cp.make_mesh(cp_colossal=2, tp=2, dp=2, axis_types=AxisType.Auto)
     cfg = llama.CONFIGS["tiny"]
     batch = _batch(mesh, B=4)
-    results = {}
-    for name, kw in {"plain": {}, "remat+fsdp": dict(remat=True, fsdp=True)}.items():
+    variants = {"plain": {}, "remat+fsdp": dict(remat=True, fsdp=True),
+                "fsdp over dp+cp": dict(fsdp=True, fsdp_axes=llama.FSDP_AXES)}
+    results, models = {}, {}
+    for name, kw in variants.items():
         with jax.set_mesh(mesh):
-            model = nnx.jit(lambda: llama.Llama(cfg, mesh=mesh, dtype=jnp.float32, rngs=nnx.Rngs(0), **kw))()
-            results[name] = _loss_and_grads(model, batch)
-    for w, spec in ((model.blocks[0].mlp.w_gate, P("dp", "tp")), (model.blocks[0].attn.q_kernel, P("dp", "tp", None)),
-                    (model.embed, P("tp", "dp"))):
-        assert w[...].sharding.is_equivalent_to(NamedSharding(mesh, spec), w.ndim), (w[...].sharding.spec, spec)
+            models[name] = nnx.jit(lambda: llama.Llama(cfg, mesh=mesh, dtype=jnp.float32, rngs=nnx.Rngs(0), **kw))()
+            results[name] = _loss_and_grads(models[name], batch)
+    DC = ("dp", "cp_colossal")  # cp_ulysses has size 1: not among the storage axes
+    for name, stored in (("remat+fsdp", ("dp", "dp")), ("fsdp over dp+cp", (DC, DC))):
+        m = models[name]
+        for w, spec in ((m.blocks[0].mlp.w_gate, P(stored[0], "tp")), (m.blocks[0].attn.q_kernel, P(stored[0], "tp", None)),
+                        (m.embed, P("tp", stored[1]))):
+            assert w[...].sharding.is_equivalent_to(NamedSharding(mesh, spec), w.ndim), (name, w[...].sharding.spec, spec)
+    # The gradient of a weight stored over dp and cp is a reduce-scatter over both (the gather's transpose).
+    fn = nnx.jit(nnx.value_and_grad(llama.next_token_loss, has_aux=True))
+    hlo = fn.lower(models["fsdp over dp+cp"], batch).compile().as_text()
+    assert "reduce-scatter(" in hlo or "reduce-scatter-start(" in hlo
     tol = TOL[jnp.dtype(jnp.float32)]
-    (loss, grads), (loss_v, grads_v) = results["plain"], results["remat+fsdp"]
-    np.testing.assert_allclose(loss_v, loss, **tol)
-    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads_v), jax.tree.leaves(grads)):
-        scale = max(1.0, float(np.abs(r).max()))
-        np.testing.assert_allclose(g, r, rtol=tol["rtol"], atol=tol["atol"] * scale, err_msg=str(path))
+    loss, grads = results["plain"]
+    for name in ("remat+fsdp", "fsdp over dp+cp"):
+        loss_v, grads_v = results[name]
+        np.testing.assert_allclose(loss_v, loss, **tol)
+        for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads_v), jax.tree.leaves(grads)):
+            scale = max(1.0, float(np.abs(r).max()))
+            np.testing.assert_allclose(g, r, rtol=tol["rtol"], atol=tol["atol"] * scale, err_msg=f"{name} {path}")
 
 
 @needs_devices(8)
@@ -311,6 +323,8 @@ def test_a_dead_process_fails_the_other(corpus, cache_env, tmp_path):
                                               r"in this one process and trains nothing; drop --devices, --resume"),
     (["--plan", "v5e:2x4", "--resume"], r"--plan v5e:2x4 compiles one step .* drop --devices, --resume"),
     (["--logits-soft-cap", "0"], r"--logits-soft-cap=0.0 must be > 0 \(or left out: no cap\)"),
+    (["--fsdp", "--fsdp-axes", "dp,tp"], r"--fsdp-axes=dp,tp: fsdp_axes=\('dp', 'tp'\) must be distinct names among "
+                                         r"\('dp', 'cp_colossal', 'cp_ulysses'\)"),
 ])
 def test_bad_flags_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
