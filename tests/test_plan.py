@@ -256,9 +256,9 @@ def test_parser_counts_loop_transfers_per_trip():
     assert (loop.in_loop, loop.iterations, loop.overlapped, loop.axes) == (True, 5, True, ("cp_colossal",))
     assert s.is_cp(loop) and s.is_cp(entry) and not entry.overlapped
     assert s.overlap_fraction("fwd") == pytest.approx(5 / 6)
-    # One trip: the permute start reads 256 B and holds two 256 B buffers; the fusion reads 256 + 512 B and
-    # writes 256 B; the counter add 12 B. Four more trips than the one counted.
-    assert loop_bytes(HLO_LOOP) == 4 * ((256 + 512) + (256 + 512 + 256) + 12)
+    # One trip: the permute start reads its 256 B operand and writes 256 B (its tuple: both buffers); the
+    # fusion reads 256 + 512 B and writes 256 B; the counter add 12 B. Four more trips than the one counted.
+    assert loop_bytes(HLO_LOOP) == 4 * (512 + (256 + 512 + 256) + 12)
 
 
 def test_parser_on_hand_written_hlo_jax_0_12_form():

@@ -529,9 +529,13 @@ _NO_TRAFFIC = frozenset({
 
 def instr_bytes(mod, comp: str, i: Instr) -> int:
     """HBM bytes one scheduled instruction reads and writes: its operands and results, once each
-    (as the compiler's cost analysis counts a fusion, or a custom call without a cost estimate)."""
+    (as the compiler's cost analysis counts a fusion, or a custom call without a cost estimate).
+    The start of an async pair (a copy, a collective) returns a tuple holding its operand beside
+    its destination: that tuple is what it reads and writes."""
     if i.opcode in _NO_TRAFFIC:
         return 0
+    if i.opcode.endswith("-start") or i.opcode == "async-start":
+        return array_bytes(i.shape)
     table = mod.by_name[comp]
     return sum(array_bytes(_operand_shape(table, r)) for r in i.refs) + array_bytes(i.shape)
 
