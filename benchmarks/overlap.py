@@ -21,6 +21,7 @@ memory and the planner's step-time estimate. Measures only; asserts nothing.
     JAX_PLATFORMS=cpu python benchmarks/overlap.py --topology v5e:4x4 --variants cp,naive
     JAX_PLATFORMS=cpu python benchmarks/overlap.py --topology v5e:4x4 --layout 2,4,2 --variants cp-a2a
     JAX_PLATFORMS=cpu python benchmarks/overlap.py --variants defaults --seq-len 32768   # the defaults
+    JAX_PLATFORMS=cpu python benchmarks/overlap.py --topology v5p:2x2x1 --layout 2,2,1 --variants defaults --seq-len 4096
     JAX_PLATFORMS=cpu python benchmarks/overlap.py --digest > before.txt   # lowered programs only (fast)
 
 ``--digest`` lowers instead of compiling and prints a hash of each program's
@@ -86,6 +87,7 @@ def main(argv=None):
     p.add_argument("--layout", action="append", metavar="C,U,T",
                    help="repeatable: these (cp_colossal, cp_ulysses, tp) instead of the preset layouts")
     p.add_argument("--seq-len", type=int, help="instead of the preset sequence length of each topology")
+    p.add_argument("--batch", type=int, help="instead of the preset batch of each topology (others: 1)")
     p.add_argument("--digest", action="store_true",
                    help="print a hash of each lowered program instead of compiling (refactor check)")
     p.add_argument("--dump-dir", help="with --digest: also write each lowered program's text here")
@@ -97,8 +99,10 @@ def main(argv=None):
               "time covered fwd / bwd | memory/device | est. step | compile |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
     for topo in args.topology or list(CASES):
-        batch, seq_len, layouts = CASES[topo]
-        seq_len = args.seq_len or seq_len
+        if topo not in CASES and not custom:
+            p.error(f"--topology {topo} has no preset layouts ({', '.join(CASES)} do): give them with --layout C,U,T")
+        batch, seq_len, layouts = CASES.get(topo, (1, 4096, []))
+        seq_len, batch = args.seq_len or seq_len, args.batch or batch
         devices = plan.get_topology(topo).devices
         for name, c, u, t in custom or layouts:
             if not custom and name not in args.layouts.split(","):
