@@ -34,13 +34,17 @@ class Choice:
 RULES = {
     "v5e": {
         "ulysses": (AllGather(), 4, 1, "v5e (1,4,2) 1.00 / 1.00"),
-        "colossal": (AllGather(), 2, 0, "v5e (4,1,4) 1.00 / 1.00"),
+        # all_to_all in one chunk: 1.00 / 1.00 with either kernel, like all_gather in 2 chunks with the
+        # blockwise one, which with splash leaves half of the forward exposed at small shapes (v5e:2x4).
+        "colossal": (AllToAll(), 1, 0, "v5e (4,1,4) 1.00 / 1.00, v5e:2x4 (4,1,2) 1.00 / 1.00"),
         "hybrid": (AllToAll(), 2, 0, "v5e (2,2,4), (2,2,2), (2,4,2), (4,2,2), (4,4,1), (2,8,1) 1.00 / 1.00"),
     },
     "v5p": {
         "ulysses": (AllGather(), 2, 2, "v5p (1,4,4) 1.00 / 1.00"),
-        "colossal": (AllGather(), 2, 0, "v5p (4,1,4) 1.00 / 1.00, all-gather on the SparseCores"),
-        "hybrid": (Ring(), 2, 2, "v5p (4,4,4) 1.00 / 0.95"),
+        # all_to_all in one chunk: 1.00 / 1.00 in bytes and time with either kernel, at less memory and a
+        # lower estimated step than all_gather in 2 chunks, which hides nothing of its forward on v5p:2x2x2.
+        "colossal": (AllToAll(), 1, 0, "v5p (4,1,4) 1.00 / 1.00, v5p:2x2x2 (4,1,2) 1.00 / 1.00"),
+        "hybrid": (Ring(), 2, 2, "v5p (4,4,4) 1.00 / 1.00"),
     },
 }
 # With the splash kernel in the layer (what kernel="auto" runs on TPU): its custom calls schedule
@@ -52,7 +56,7 @@ SPLASH_RULES = {
     "v5e": {"ulysses": (AllGather(), 2, 1, "v5e (1,4,2) with splash 0.83 / 0.83 (transfer time 0.83 / 0.83)"),
             "hybrid": (AllToAll(), 2, 0, "v5e (2,2,4) with splash 0.88 / 1.00 (transfer time 0.90 / 1.00)")},
     "v5p": {"ulysses": (AllGather(), 2, 2, "v5p (1,4,4) with splash 0.88 / 1.00 (transfer time 0.50 / 1.00)"),
-            "hybrid": (Ring(), 2, 1, "v5p (4,4,4) with splash 1.00 / 0.93 (transfer time 0.77 / 0.93)")},
+            "hybrid": (Ring(), 2, 1, "v5p (4,4,4) with splash 1.00 / 1.00 (transfer time 0.87 / 1.00)")},
 }
 # Not measured: other TPU generations take the v5e rule (the same lite-chip scheduler flags).
 TPU_FALLBACK = "v5e"
