@@ -154,16 +154,14 @@ def test_defaults_chunk_the_ulysses_layer_in_the_tpu_schedule():
 def test_defaults_hide_the_all_gather_layout_on_v5e_and_v5p(topology, kernel):
     """(4,1,2), nothing set: K/V in one all-to-all over cp_colossal, and every CP collective of forward
     and backward, with splash on v5e (what kernel="auto" runs) and the blockwise kernel on a small v5p,
-    has compute inside, in bytes and in transfer time. The plain layer (one all-gather) hides less: on
-    v5p its forward all-gather has nothing inside."""
+    has compute inside, in bytes and in transfer time. (The rule before, all_gather in 2 chunks, hid
+    0.50 / 1.00 and 0.00 / 1.00 of these on jax 0.10.2; how much the plain all-gather hides here
+    depends on the JAX release, so the resolved knobs are what pins the rule.)"""
     pytest.importorskip("libtpu", reason="the TPU schedule comes from the libtpu wheel's compiler")
     r, cp, overlap = _overlaps((4, 1, 2), topology, kernel)
     assert (r.layer.kv_exchange, r.layer.overlap_chunks, r.layer.fused_qkv_chunks) == ("all_to_all", 1, 0)
     assert cp and all(c.overlapped for c in cp), [(c.kind, c.phase) for c in cp if not c.overlapped]
     assert overlap == (1.0, 1.0) and r.analysis.covered("fwd") == r.analysis.covered("bwd") == 1.0
-    if topology.startswith("v5p"):
-        _, _, plain = _overlaps((4, 1, 2), topology, kernel, **PLAIN)
-        assert plain[0] < 0.5, plain
 
 
 def test_recommended_flags_for_this_host():

@@ -214,15 +214,20 @@ class _Module:
         if root is None or "direction=LT" not in root.attrs or len(root.operands) != 2:
             return None
         counter, bound = (names.get(o) for o in root.operands)
-        if counter is None or bound is None or bound.opcode != "constant" or counter.opcode != "get-tuple-element":
+        if counter is None or bound is None or bound.opcode != "constant":
             return None
-        index = re.search(r"index=(\d+)", counter.attrs)
+        if counter.opcode == "get-tuple-element":  # jax 0.10's modules
+            index = re.search(r"index=(\d+)", counter.attrs)
+            k = int(index.group(1)) if index else 0
+        elif counter.opcode == "parameter" and "#" in (root.refs[0] if root.refs else ""):  # jax 0.12's: param#k
+            k = int(root.refs[0].rsplit("#", 1)[1])
+        else:
+            return None
         try:
             n = int(bound.operands[0])
         except (IndexError, ValueError):
             return None
-        start = self._tuple_element_constant(comp, loop.operands[0] if loop.operands else "",
-                                             int(index.group(1)) if index else 0)
+        start = self._tuple_element_constant(comp, loop.operands[0] if loop.operands else "", k)
         return max(n - (start or 0), 0)
 
     def _tuple_element_constant(self, comp: str, name: str, k: int) -> int | None:
