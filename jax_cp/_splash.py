@@ -270,7 +270,7 @@ def _unchecked_fwd(static, infos, q, k, v, segment_ids, sinks=None):
     kq, kv_ = _kv_in(k, static), _kv_in(v, static)
     with _no_vma_check():
         o, (lse,) = _kernel(static, infos, save_residuals=True)(q, kq, kv_, segment_ids, sinks)
-    return _vary_as(o, q, k, v), (q, kq, kv_, segment_ids, sinks, o, lse, infos[1], infos[2])
+    return _vary_as(o, q, k, v), ((q, kq, kv_, segment_ids, sinks, o, lse, infos[1], infos[2]), infos)
 
 
 def _backward(static, res, do):
@@ -286,11 +286,11 @@ def _backward(static, res, do):
 
 
 def _unchecked_bwd(static, res, do):
-    q, k, v, segment_ids, sinks, _, _, dq_info, dkv_info = res
+    res, infos = res
+    q, k, v, segment_ids, sinks = res[:5]
     dq, dk, dv, dsinks = _backward(static, res, do)
     dsinks = None if sinks is None else _vary_as(dsinks.astype(sinks.dtype), sinks)
     none = lambda t: jax.tree.map(lambda _: None, t)
-    infos = (dq_info, dq_info, dkv_info)  # the forward's MaskInfo has the dq one's structure
     return (none(infos), _vary_as(dq, q), _vary_as(dk, k), _vary_as(dv, v), none(segment_ids), dsinks)
 
 

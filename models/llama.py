@@ -10,6 +10,7 @@ Letters: B batch, S sequence, D model width, F MLP width, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -121,9 +122,7 @@ class Sharding:
         their product divides, when FSDP."""
         sizes = dict(mesh.shape)
         axes = tuple(a for a in self.fsdp_axes if sizes[a] > 1)
-        n = 1
-        for a in axes:
-            n *= sizes[a]
+        n = math.prod(sizes[a] for a in axes)
         if not self.fsdp or n == 1:
             return spec
         dims = list(spec) + [None] * (len(shape) - len(spec))

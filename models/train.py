@@ -162,7 +162,8 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fsdp", action="store_true", help="also shard parameters and optimizer state (over --fsdp-axes)")
     g.add_argument("--fsdp-axes", default=d.fsdp_axes,
                    help="with --fsdp: the axes to shard them over, comma-separated; dp,cp_colossal,cp_ulysses turns "
-                        "the gradient sums over the CP axes into reduce-scatters, which overlap the backward")
+                        "the gradient sums over the CP axes into reduce-scatters (half an all-reduce's bytes; still "
+                        "synchronous in the TPU schedules measured, see benchmarks/RESULTS.md)")
     g = p.add_argument_group("model and optimisation")
     g.add_argument("--model", default=d.model, help="tiny (llama3-8b/70b are shapes for planning)")
     g.add_argument("--seq-len", type=int, default=d.seq_len)
