@@ -14,20 +14,19 @@ The surface used (pinned by ``tests/test_kernels.py`` on jax 0.10.2 and 0.12.0):
 the public ``splash_attention`` module (``make_splash_mha``/``make_splash_mqa`` for
 the kernel's settings, ``SplashAttentionKernel`` and ``MaskInfo`` to run it on our
 mask data, its forward with ``save_residuals``) and
-two private pieces that nothing public replaces: ``jax._src.config._check_vma``
-(splash declares outputs without manual-axis types, which ``shard_map`` rejects;
-we trace the kernel unchecked and retype its results) and
+one private piece that nothing public replaces:
 ``splash_attention_kernel._splash_attention_bwd``, the backward kernels from given
 residuals: the ring's steps need them from the merged output and log-sum-exp of
 all steps, which the public ``custom_vjp`` cannot take (it keeps its own forward's),
 and one path serves both uses (under ``shard_map`` the public ``custom_vjp``'s
-cotangent types would not match its unchecked forward's). Where a JAX release lacks them,
-``unavailable_reason`` says so and ``kernel="auto"`` runs the blockwise kernel.
+cotangent types would not match its unchecked forward's). Splash declares its outputs
+without manual-axis types; we run it in a nested ``shard_map(check_vma=False)`` over no
+further axes (``_unchecked``) and retype its results. Where a JAX release lacks the
+private piece, ``unavailable_reason`` says so and ``kernel="auto"`` runs the blockwise kernel.
 Letters: B batch, T queries, S keys, H query heads, K kv heads, d head dim.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -36,6 +35,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jax_cp._blockwise import check_soft_cap, merge_softmax, vary_as as _vary_as
 from jax_cp._masks import normalize_window
@@ -59,14 +59,10 @@ def _padded(n: int) -> int:
 def unavailable_reason() -> str | None:
     """Why this JAX release cannot run splash for us, or None.
 
-    The private pieces we rely on are checked by name and signature, not by version, so a
-    release that keeps them works and one that drops them falls back to blockwise, saying why."""
-    from jax._src import config
+    The private piece we rely on is checked by name and signature, not by version, so a
+    release that keeps it works and one that drops it falls back to blockwise, saying why."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
 
-    if getattr(config, "_check_vma", None) is None:
-        return (f"this JAX ({jax.__version__}) has no jax._src.config._check_vma switch, which splash's "
-                "outputs need under shard_map (tested: jax 0.10.2, 0.12.0)")
     bwd = getattr(ska, "_splash_attention_bwd", None)
     params = set(inspect.signature(bwd).parameters) if bwd is not None else set()
     if not {"res", "do", "save_residuals", "mask_function", "block_sizes", "is_mqa"} <= params:
@@ -237,17 +233,19 @@ def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, sinks_H, *, T, S, is_c
     return _unchecked_call(static, infos, q_HTd, k_KSd, v_KSd, _segment_ids(qseg, qseg0, kseg_s), sinks_H), has_key
 
 
-def _no_vma_check():
-    """Splash's ``pallas_call`` declares outputs without manual-axis types, which
-    ``shard_map(check_vma=True)`` rejects; trace the kernel itself unchecked.
+def _unchecked(fn, *args):
+    """``fn(*args)`` with splash's ``pallas_call`` inside, traced without manual-axis type checks.
 
-    The kernel's forward and backward run under this switch inside our ``custom_vjp``, and
-    the results are retyped as varying over the inputs' axes, so outside the kernel the
-    checks stay on."""
-    from jax._src import config
-
-    state = getattr(config, "_check_vma", None)
-    return state(False) if state is not None else contextlib.nullcontext()
+    Splash declares its outputs without manual-axis types, which ``shard_map(check_vma=True)``
+    rejects. Inside a ``shard_map`` the call runs in a nested ``shard_map`` over no further axes
+    with ``check_vma=False``: the switch is part of the program, so transformations that trace the
+    call again later (``jax.checkpoint``'s partial evaluation of the ring's loop) trace it
+    unchecked too. The results are retyped as varying over the inputs' axes by the callers, so
+    outside the kernel the checks stay on. Outside ``shard_map`` there is nothing to check."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.manual_axes:
+        return fn(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=set(), check_vma=False)(*args)
 
 
 def _kv_in(k, static):
@@ -268,8 +266,8 @@ def _unchecked_fwd(static, infos, q, k, v, segment_ids, sinks=None):
     """The public kernel's forward with its log-sum-exp; ``sinks [H]`` are the kernel's own (its
     softmax state starts at them)."""
     kq, kv_ = _kv_in(k, static), _kv_in(v, static)
-    with _no_vma_check():
-        o, (lse,) = _kernel(static, infos, save_residuals=True)(q, kq, kv_, segment_ids, sinks)
+    o, (lse,) = _unchecked(lambda *a: _kernel(static, a[0], save_residuals=True)(*a[1:]),
+                           infos, q, kq, kv_, segment_ids, sinks)
     return _vary_as(o, q, k, v), ((q, kq, kv_, segment_ids, sinks, o, lse, infos[1], infos[2]), infos)
 
 
@@ -279,8 +277,8 @@ def _backward(static, res, do):
     (the public ``custom_vjp`` keeps its own forward's residuals; the ring needs the merged ones)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
 
-    with _no_vma_check():
-        grads = ska._splash_attention_bwd(**dict(static), save_residuals=False, res=res, do=do)
+    grads = _unchecked(lambda res, do: ska._splash_attention_bwd(**dict(static), save_residuals=False, res=res, do=do),
+                       res, do)
     dq, dk, dv = grads[3:6]
     return dq, _kv_out(dk, static), _kv_out(dv, static), grads[7]
 
@@ -418,9 +416,9 @@ def ring_forward_step(step: RingStep, qx, qm, kv, carry=None):
     (float32, ``[B, H, Tp, d]`` and ``[B, H, Tp]``) is merged by log-sum-exp."""
     def row(q, kv, qm):
         infos, has_key, segment_ids = _row_kernel_args(step, kv, qm)
-        with _no_vma_check():  # the public kernel's forward, returning its log-sum-exp
-            o, (lse,) = _kernel(step.static, infos, save_residuals=True)(
-                q, _kv_in(kv[0], step.static), _kv_in(kv[1], step.static), segment_ids)
+        o, (lse,) = _unchecked(  # the public kernel's forward, returning its log-sum-exp
+            lambda infos, *a: _kernel(step.static, infos, save_residuals=True)(*a),
+            infos, q, _kv_in(kv[0], step.static), _kv_in(kv[1], step.static), segment_ids)
         return (jnp.where(has_key[None, :, None], o.astype(jnp.float32), 0.0),
                 jnp.where(has_key[None], lse.astype(jnp.float32), _NEG))
 

@@ -296,13 +296,20 @@ def test_describe_says_what_auto_chose_and_why():
 
 
 def test_splash_needs_its_private_entry_points(monkeypatch):
-    """Splash runs on two private pieces of JAX (the vma switch and the backward from given residuals);
-    both JAX lines we test have them. On a release without them ``auto`` runs blockwise and says why,
-    and an explicit ``kernel="splash"`` is a ValueError, never a crash deep in a trace."""
+    """Splash runs on one private piece of JAX (the backward from given residuals); both JAX lines we
+    test have it. On a release without it ``auto`` runs blockwise and says why, and an explicit
+    ``kernel="splash"`` is a ValueError, never a crash deep in a trace."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
+
     from jax_cp import _splash
 
     assert _splash.unavailable_reason() is None
-    why = "this JAX (9.9) has no jax._src.config._check_vma switch"
+    _splash.unavailable_reason.cache_clear()
+    monkeypatch.delattr(ska, "_splash_attention_bwd")
+    assert "has no _splash_attention_bwd(res, do, ...)" in _splash.unavailable_reason()
+    _splash.unavailable_reason.cache_clear()
+    monkeypatch.undo()
+    why = "this JAX (9.9) has no _splash_attention_bwd(res, do, ...)"
     monkeypatch.setattr(_splash, "unavailable_reason", lambda: why)
     mask = dict(is_causal=True, window=None, has_segments=False, dtype=BF16, head_dim=128)
     assert kernels.select_kernel("auto", platform="tpu", **mask) == "blockwise"

@@ -84,6 +84,22 @@ def test_ring_with_splash_matches_reference(cut, K, mask, dtype, balanced):
     assert_matches(f, ref, (q, k, v), ct, dtype, f"{cut=} {K=} {mask=} {balanced=}")
 
 
+@pytest.mark.parametrize("kernel", ["splash", "blockwise"])
+def test_ring_under_remat_matches_reference(kernel):
+    """``jax.checkpoint`` around the ring (what ``models.train --remat`` does per block): its partial
+    evaluation traces the ring's loop again. The splash kernel is traced without manual-axis type
+    checks; that switch is a nested ``shard_map(check_vma=False)``, part of the program, so the
+    second trace is unchecked too (a tracing-time config switch was not, and remat of the splash ring
+    failed with 'dynamic_slice requires varying manual axes to match')."""
+    mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
+    q, k, v, ct = random_qkv(B, S, H, 2, d, F32, seed=7)
+    seg = jnp.stack([jnp.arange(S) // 24, jnp.arange(S) // 40]).astype(jnp.int32)
+    kw = dict(is_causal=True, segment_ids=seg)
+    f = jax.checkpoint(lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange="ring",
+                                                                    kernel=kernel, **kw))
+    assert_matches(f, lambda q, k, v: reference.dot_product_attention(q, k, v, **kw), (q, k, v), ct, F32, kernel)
+
+
 def test_module_passes_ring_through():
     """``CPAttention(kv_exchange="ring")``, with Q, K and V of the first of two chunks in one
     Ulysses all-to-all (``fused_qkv_chunks=1``), equals the all-gather module with the same weights."""
