@@ -84,13 +84,14 @@ def test_ring_with_splash_matches_reference(cut, K, mask, dtype, balanced):
     assert_matches(f, ref, (q, k, v), ct, dtype, f"{cut=} {K=} {mask=} {balanced=}")
 
 
-@pytest.mark.parametrize("kernel", ["splash", "blockwise"])
+@pytest.mark.parametrize("kernel", ["splash", "pallas_gpu", "blockwise"])
 def test_ring_under_remat_matches_reference(kernel):
     """``jax.checkpoint`` around the ring (what ``models.train --remat`` does per block): its partial
-    evaluation traces the ring's loop again. The splash kernel is traced without manual-axis type
-    checks; that switch is a nested ``shard_map(check_vma=False)``, part of the program, so the
-    second trace is unchecked too (a tracing-time config switch was not, and remat of the splash ring
-    failed with 'dynamic_slice requires varying manual axes to match')."""
+    evaluation traces the ring's loop again. The Pallas kernels (splash, pallas_gpu; interpret mode
+    here) are traced without manual-axis type checks; that switch is a nested
+    ``shard_map(check_vma=False)``, part of the program, so the second trace is unchecked too (a
+    tracing-time config switch was not, and remat of the splash ring failed with 'dynamic_slice
+    requires varying manual axes to match')."""
     mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
     q, k, v, ct = random_qkv(B, S, H, 2, d, F32, seed=7)
     seg = jnp.stack([jnp.arange(S) // 24, jnp.arange(S) // 40]).astype(jnp.int32)
