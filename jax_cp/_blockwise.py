@@ -198,6 +198,23 @@ def vma(x) -> frozenset:
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
+def unchecked(fn, *args):
+    """``fn(*args)`` traced without manual-axis type checks: for ``pallas_call`` kernels (splash,
+    ``pallas_gpu``), which declare their outputs without manual-axis types, which
+    ``shard_map(check_vma=True)`` rejects.
+
+    Inside a ``shard_map`` the call runs in a nested ``shard_map`` over no further axes with
+    ``check_vma=False``: the switch is part of the program, so transformations that trace the call
+    again later (``jax.checkpoint``'s partial evaluation of the ring's loop) trace it unchecked too.
+    Callers retype the results (``vary_as``), so outside the kernel the checks stay on. Outside
+    ``shard_map`` there is nothing to check."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.manual_axes:
+        return fn(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=jax.P(), out_specs=jax.P(), axis_names=set(),
+                         check_vma=False)(*args)
+
+
 def varying(refs, *xs):
     """Marks fresh loop carries as varying over the manual mesh axes the inputs vary over.
 

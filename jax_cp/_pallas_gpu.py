@@ -188,17 +188,15 @@ def _f32(*shape):
 
 
 def _call(kernel, st, grid, in_specs, out_specs, out_shape, name, *args):
-    from jax_cp._splash import _unchecked  # pallas_call's outputs carry no manual-axis types
-
     call = pl.pallas_call(partial(kernel, st=st), grid=grid, in_specs=in_specs, out_specs=out_specs,
                           out_shape=out_shape, interpret=st.interpret, compiler_params=st.params(), name=name)
     run = jax.jit(call)
     if st.interpret and any(bw.vma(a) for a in args):
         # Interpret mode evaluates the kernel's pre-traced loops, which cannot take inputs typed
         # as varying over manual mesh axes (inside shard_map): run it on the host values.
-        out = _unchecked(lambda *a: jax.pure_callback(lambda *h: tuple(run(*h)), tuple(out_shape), *a), *args)
+        out = bw.unchecked(lambda *a: jax.pure_callback(lambda *h: tuple(run(*h)), tuple(out_shape), *a), *args)
     else:
-        out = _unchecked(run, *args)  # traced unchecked (part of the program), then retyped
+        out = bw.unchecked(run, *args)  # traced unchecked (part of the program), then retyped
     return tuple(bw.vary_as(o, *args) for o in out)
 
 

@@ -21,7 +21,7 @@ all steps, which the public ``custom_vjp`` cannot take (it keeps its own forward
 and one path serves both uses (under ``shard_map`` the public ``custom_vjp``'s
 cotangent types would not match its unchecked forward's). Splash declares its outputs
 without manual-axis types; we run it in a nested ``shard_map(check_vma=False)`` over no
-further axes (``_unchecked``) and retype its results. Where a JAX release lacks the
+further axes (``_blockwise.unchecked``) and retype its results. Where a JAX release lacks the
 private piece, ``unavailable_reason`` says so and ``kernel="auto"`` runs the blockwise kernel.
 Letters: B batch, T queries, S keys, H query heads, K kv heads, d head dim.
 """
@@ -35,9 +35,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
-from jax_cp._blockwise import check_soft_cap, merge_softmax, vary_as as _vary_as
+from jax_cp._blockwise import check_soft_cap, merge_softmax, unchecked as _unchecked, vary_as as _vary_as
 from jax_cp._masks import normalize_window
 
 __all__ = ["splash_attention", "splash_unsupported_reason", "unavailable_reason", "LANES", "MAX_WINDOW_KEYS",
@@ -233,21 +232,6 @@ def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, sinks_H, *, T, S, is_c
     return _unchecked_call(static, infos, q_HTd, k_KSd, v_KSd, _segment_ids(qseg, qseg0, kseg_s), sinks_H), has_key
 
 
-def _unchecked(fn, *args):
-    """``fn(*args)`` with splash's ``pallas_call`` inside, traced without manual-axis type checks.
-
-    Splash declares its outputs without manual-axis types, which ``shard_map(check_vma=True)``
-    rejects. Inside a ``shard_map`` the call runs in a nested ``shard_map`` over no further axes
-    with ``check_vma=False``: the switch is part of the program, so transformations that trace the
-    call again later (``jax.checkpoint``'s partial evaluation of the ring's loop) trace it
-    unchecked too. The results are retyped as varying over the inputs' axes by the callers, so
-    outside the kernel the checks stay on. Outside ``shard_map`` there is nothing to check."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not mesh.manual_axes:
-        return fn(*args)
-    return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=set(), check_vma=False)(*args)
-
-
 def _kv_in(k, static):
     """The kernel's key/value operand: ``[K, S, d]``, or ``[S, d]`` in the MQA form."""
     return k[0] if _is_mqa(static) else k
@@ -266,7 +250,7 @@ def _unchecked_fwd(static, infos, q, k, v, segment_ids, sinks=None):
     """The public kernel's forward with its log-sum-exp; ``sinks [H]`` are the kernel's own (its
     softmax state starts at them)."""
     kq, kv_ = _kv_in(k, static), _kv_in(v, static)
-    o, (lse,) = _unchecked(lambda *a: _kernel(static, a[0], save_residuals=True)(*a[1:]),
+    o, (lse,) = _unchecked(lambda infos, *a: _kernel(static, infos, save_residuals=True)(*a),
                            infos, q, kq, kv_, segment_ids, sinks)
     return _vary_as(o, q, k, v), ((q, kq, kv_, segment_ids, sinks, o, lse, infos[1], infos[2]), infos)
 
