@@ -364,6 +364,10 @@ def test_recommended_flags():
     v5p = plan.recommended_xla_flags("tpu", chip="v5p")
     assert "--xla_tpu_enable_all_experimental_scheduler_features=true" in v5p
     assert "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true" in v5p and fusion not in v5p
+    # gradient sums and tp sums: offloaded to the SparseCores on v5p, continued in matmuls on v5e
+    offload, fuse = "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true", fusion[:-5] + "_fuse_all_reduce=true"
+    assert offload in v5p and fuse in plan.recommended_xla_flags("tpu", chip="v5e")
+    assert offload not in tpu and fuse not in tpu and fuse not in v5p
     assert plan.compiler_options(("--a=true", "--b=FALSE", "--c=12", "--d=x")) == dict(a=True, b=False, c=12, d="x")
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in plan.recommended_xla_flags("gpu")
     env = {"LIBTPU_INIT_ARGS": "--xla_tpu_enable_async_all_to_all=false --my_flag=1"}

@@ -34,6 +34,11 @@ _TPU_V5E_FLAGS = (
     "--xla_tpu_enable_async_collective_fusion=true",
     "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
     "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+    # The same continuation for all-reduce: tp's backward activation sums and the head's gradient sum
+    # run inside the matmuls that follow them (v5e has no SparseCores to offload them to). The planned
+    # Llama-3-8B step (v5e:4x4 (2,2,4), S=8K, 4 and 8 layers, extrapolated to 32): exposed
+    # communication 11.1 -> 8.0 % of the estimated step (benchmarks/RESULTS.md, "A whole training step").
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true",
 )
 # v5p (libtpu 0.0.52): with the default scheduler features, XLA front-loads the projections and
 # leaves half the all-to-alls with nothing inside; measured with the layer (benchmarks/RESULTS.md),
@@ -44,6 +49,11 @@ _TPU_V5P_FLAGS = (
     # v5p has no async all-gather fusion (above); offloaded to the SparseCores an all-gather runs
     # asynchronously beside the TensorCore's matmuls (all-gather layouts 0.00 -> 1.00 forward).
     "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
+    # The same for all-reduce: the gradient sums over the CP axes and tp's activation sums, synchronous
+    # on the TensorCore in every v5p schedule we read, run on the SparseCores beside the matmuls. The
+    # planned Llama-3-8B step (32 layers, v5p:4x4x4 (4,4,4), S=32K): exposed communication 48.3 ->
+    # 6.9 ms of an estimated 585 -> 559 ms step (benchmarks/RESULTS.md, "A whole training step").
+    "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
 )
 
 _GPU_FLAGS = (
@@ -72,8 +82,9 @@ def recommended_xla_flags(platform: str = "tpu", *, chip: str | None = None) -> 
     collective-permute asynchronous so XLA's latency-hiding scheduler can place
     matmuls between start and done; ``chip="v5e"`` adds async collective
     fusion, which libtpu supports on v5e only, ``chip="v5p"`` the scheduler
-    features that hide all-to-alls there and SparseCore offload of all-gather
-    (``chip=None``: the flags safe on every generation). On GPU they enable that scheduler and pipelining of
+    features that hide all-to-alls there and SparseCore offload of all-gather and
+    all-reduce (the training step's gradient sums; ``chip=None``: the flags safe
+    on every generation). On GPU they enable that scheduler and pipelining of
     collectives across layers. All names were checked against jaxlib 0.10.2 /
     libtpu 0.0.52; unknown flags make XLA abort at start-up.
     """
