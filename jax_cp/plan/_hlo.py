@@ -138,7 +138,7 @@ class Schedule:
             t = c.wire_bytes * c.iterations / bytes_per_s
             if c.overlapped:
                 covered += t if c.flops_inside is None else min(t, c.flops_inside * c.iterations / flops_per_s)
-        return covered / total
+        return min(1.0, covered / total)  # summed in another order than total: may round above 1
 
 
 class _Module:
