@@ -100,12 +100,11 @@ def test_module_defaults_are_auto_and_resolve_on_the_cpu():
     assert jnp.allclose(run(attn, x), run(pinned, x), atol=2e-5)
 
 
-def _overlaps(layout, topology="v5e:2x4", kernel="blockwise", *, llama3_8b=False, seq_len=4096, batch=1, **knobs):
+def _overlaps(layout, topology="v5e:2x4", kernel="blockwise", *, model=None, seq_len=4096, batch=1, **knobs):
     from jax_cp import plan
 
     c, u, t = layout
-    spec = plan.ModelSpec(d_model=4096 if llama3_8b else 2048, num_heads=32, num_kv_heads=8,
-                          head_dim=128 if llama3_8b else 64)
+    spec = model or plan.ModelSpec(d_model=2048, num_heads=32, num_kv_heads=8, head_dim=64)
     # The rules hold entries per kernel; with splash (what kernel="auto" runs on TPU) the Ulysses and
     # hybrid layers hide less (benchmarks/RESULTS.md, "Defaults with splash"), so those tests pin the
     # blockwise kernel and its rule.
@@ -193,7 +192,7 @@ def test_defaults_hide_the_llama_layer_on_v5p():
     transfers outside the ring's loop (at most four, under 0.1 % of the backward bytes: 0.9994 hidden
     when measured), which the scheduler issues with nothing to run beside them."""
     pytest.importorskip("libtpu", reason="the TPU schedule comes from the libtpu wheel's compiler")
-    big = dict(llama3_8b=True, seq_len=8192, batch=4)
+    big = dict(model="llama3-8b", seq_len=8192, batch=4)
     r, cp, overlap = _overlaps((1, 4, 4), "v5p:4x4x4", "auto", **big)
     assert r.analysis.kernel.startswith("splash"), r.analysis.kernel
     assert (r.layer.kv_exchange, r.layer.overlap_chunks, r.layer.fused_qkv_chunks) == ("all_gather", 2, 2)

@@ -365,7 +365,8 @@ def test_recommended_flags():
     assert "--xla_tpu_enable_all_experimental_scheduler_features=true" in v5p
     assert "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true" in v5p and fusion not in v5p
     # gradient sums and tp sums: offloaded to the SparseCores on v5p, continued in matmuls on v5e
-    offload, fuse = "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true", fusion[:-5] + "_fuse_all_reduce=true"
+    offload = "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true"
+    fuse = "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true"
     assert offload in v5p and fuse in plan.recommended_xla_flags("tpu", chip="v5e")
     assert offload not in tpu and fuse not in tpu and fuse not in v5p
     assert plan.compiler_options(("--a=true", "--b=FALSE", "--c=12", "--d=x")) == dict(a=True, b=False, c=12, d="x")

@@ -393,9 +393,11 @@ def test_plan_one_training_step_for_a_tpu_topology(monkeypatch, capsys):
     training step"), so that property is checked on a second compile without it. Then the CLI on the
     same step (``_check_plan_cli``, handed this compile instead of a second one)."""
     pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
+    from jax_cp import plan
+
     cfg = train.TrainConfig(**PLAN)
     a = train.plan_train_step(cfg, "v5e:2x4")
-    mesh = jax_cp.plan.topology_mesh("v5e:2x4", cp_colossal=2, cp_ulysses=2, tp=2, axis_types=AxisType.Auto)
+    mesh = plan.topology_mesh("v5e:2x4", cp_colossal=2, cp_ulysses=2, tp=2, axis_types=AxisType.Auto)
     with jax.set_mesh(mesh):
         params = nnx.state(llama.abstract_model("tiny", mesh), nnx.Param)
     shard_bytes = sum(np.prod(NamedSharding(mesh, x.sharding.spec).shard_shape(x.shape)) * x.dtype.itemsize
@@ -417,7 +419,7 @@ def test_plan_one_training_step_for_a_tpu_topology(monkeypatch, capsys):
               and c.bytes >= 2**16]
     assert tp_bwd and any(c.overlapped for c in tp_bwd), [(c.bytes, c.is_async) for c in tp_bwd]
     fused_sums = "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true"
-    flags = jax_cp.plan.recommended_xla_flags("tpu", chip="v5e")
+    flags = plan.recommended_xla_flags("tpu", chip="v5e")
     assert fused_sums in flags
     plain = train.plan_train_step(cfg, "v5e:2x4", xla_flags=tuple(f for f in flags if f != fused_sums))
     dkdv = [c for c in plain.schedule.select("bwd") if c.kind == "all-to-all" and c.axes == both]
