@@ -137,7 +137,7 @@ def main(argv=None):
                             with open(os.path.join(args.dump_dir, row.replace(" ", "_") + ".mlir"), "w") as f:
                                 f.write(text)
                         continue
-                    a = plan.analyze_program(fn, fargs, topology=topo, mesh=mesh, label=label)
+                    a = plan.analyze_program(fn, fargs, topology=topo, mesh=mesh, label=label, layer=shape)
                     fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
                     print(f"| {topo} | {name} ({c},{u},{t}) dp={mesh.shape['dp']} | {batch}, {seq_len} | {label} | "
                           f"{chunks} | {fmt(a.overlap('fwd'))} | {fmt(a.overlap('bwd'))} | "

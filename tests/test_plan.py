@@ -329,6 +329,16 @@ def test_parser_sparsecore_offloaded_all_gather():
     assert ag.feeds_compute and s.overlap_fraction("fwd") == 1.0
 
 
+def test_parser_sparsecore_transfer_begins_at_the_update():
+    # The same program with the matmul scheduled between the operand-less start and the update that
+    # brings the data in: the transfer cannot have begun under it, so nothing is inside.
+    update = "  %all-gather.2.call-update = ((bf16[4,16]{1,0}), bf16[8,16]{1,0}, (s32[8]{0}, s32[4]{0})) async-update(%all-gather.2.call-start, %k)\n"
+    matmul = "  %fusion.1 = bf16[8,16]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_matmul\n"
+    assert update + matmul in HLO_SPARSECORE
+    (ag,) = plan.analyze_schedule(HLO_SPARSECORE.replace(update + matmul, matmul + update), **MESH).collectives
+    assert (ag.kind, ag.is_async, ag.compute_inside, ag.overlapped) == ("all-gather", True, (), False)
+
+
 def test_parser_mesh_replica_groups():
     groups = _hlo._groups
     assert groups("replica_groups=mesh['a'=2,'b'=4] {'b'}, dimensions={0}") == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -513,6 +523,19 @@ def test_auto_strategy_chooses_and_explains():
     assert "strategy=auto:" in str(r)
     with pytest.raises(ValueError, match="no compiled layout fits memory_budget=1024 bytes"):
         plan.analyze(strategy="auto", candidates=1, memory_budget=1024, baseline=False, kernel="blockwise", **SMALL)
+
+
+def test_analyze_program_counts_a_layers_flops_from_its_shape():
+    """``analyze_program(..., layer=shape)`` estimates a layer as ``analyze`` does (splash's FLOPs counted
+    from the shapes); without ``layer`` the compiler's count gives the kernels none."""
+    r = plan.analyze(**SMALL, cp_ulysses=4, tp=2, kernel="splash", baseline=False)
+    mesh = plan.topology_mesh(TOPO, cp_ulysses=4, tp=2)
+    fn, args = plan.cp_layer(r.layer, mesh)
+    with_layer = plan.analyze_program(fn, args, topology=TOPO, mesh=mesh, layer=r.layer)
+    bare = plan.analyze_program(fn, args, topology=TOPO, mesh=mesh)
+    assert with_layer.executed_flops == r.analysis.executed_flops and with_layer.executed_flops > bare.flops
+    assert with_layer.estimate.compute_s == pytest.approx(r.analysis.estimate.compute_s)
+    assert bare.executed_flops is None and bare.estimate.compute_s < with_layer.estimate.compute_s
 
 
 def test_layer_flops_count_the_mask_and_the_recompute():

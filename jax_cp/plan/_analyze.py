@@ -134,18 +134,25 @@ def _hbm_error(e: Exception, label: str, chip) -> Exception:
 
 
 def analyze_program(fn, args, *, topology: str, mesh, label: str = "program", memory_budget: int | None = None,
-                    xla_flags: tuple[str, ...] | None = None, donate_argnums: int | tuple[int, ...] = ()) -> Analysis:
+                    xla_flags: tuple[str, ...] | None = None, donate_argnums: int | tuple[int, ...] = (),
+                    layer: LayerShape | None = None) -> Analysis:
     """Compiles any ``fn(*args)`` for ``topology`` and analyzes it like the planner's layers.
 
     ``args`` are ``jax.ShapeDtypeStruct``s sharded over ``mesh``, a mesh of
     the topology's devices (``topology_mesh(topology, ...)``).
     Use it for your own layer or training step; ``donate_argnums`` as in
     ``jax.jit`` (a training step that donates its state: the memory peak
-    then counts the state once, not as input and output).
+    then counts the state once, not as input and output). ``layer``: when ``fn`` is one attention
+    layer of this shape, its FLOPs are also counted from the shapes, as :func:`analyze` does (the
+    compiler's count gives the splash kernels none, so without it the estimated step leaves them out).
     """
     chip = chip_for(topology)
     budget = int(memory_budget or chip.device_hbm_bytes)
-    return _analyze_compiled(fn, args, label, mesh, chip, budget, _flags_for(chip, xla_flags), donate_argnums)
+    a = _analyze_compiled(fn, args, label, mesh, chip, budget, _flags_for(chip, xla_flags), donate_argnums)
+    if layer is None:
+        return a
+    m = dict(mesh.shape)
+    return _with_shape_flops(a, layer.resolved(mesh)[0], m["cp_colossal"], m["cp_ulysses"], m["tp"], m["dp"], chip)
 
 
 def _scheduled_text(compiled, dump: str) -> str:

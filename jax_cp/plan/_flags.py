@@ -49,10 +49,11 @@ _TPU_V5P_FLAGS = (
     # v5p has no async all-gather fusion (above); offloaded to the SparseCores an all-gather runs
     # asynchronously beside the TensorCore's matmuls (all-gather layouts 0.00 -> 1.00 forward).
     "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
-    # The same for all-reduce: the gradient sums over the CP axes and tp's activation sums, synchronous
-    # on the TensorCore in every v5p schedule we read, run on the SparseCores beside the matmuls. The
+    # The same for all-reduce: the gradient sums over the CP axes and tp's backward activation sums,
+    # synchronous on the TensorCore in every v5p schedule we read, run on the SparseCores beside the
+    # matmuls (the forward tp sums become asynchronous too, but half have nothing to run beside). The
     # planned Llama-3-8B step (32 layers, v5p:4x4x4 (4,4,4), S=32K): exposed communication 48.3 ->
-    # 6.9 ms of an estimated 585 -> 559 ms step (benchmarks/RESULTS.md, "A whole training step").
+    # 18.2 ms of an estimated 585 -> 571 ms step (benchmarks/RESULTS.md, "A whole training step").
     "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
 )
 

@@ -7,7 +7,9 @@ scheduled between its start and its done. Async forms recognised:
 
 * ``all-to-all-start``/``-done`` (and ``all-gather-``, ``all-reduce-``,
   ``collective-permute-``, ``reduce-scatter-start``/``-done``);
-* ``async-start``/``async-update``/``async-done`` wrapping a collective;
+* ``async-start``/``async-update``/``async-done`` wrapping a collective (offloaded to the
+  SparseCores, the start takes no data and the update that brings the operand in is where the
+  transfer can begin: compute counts as inside from there);
 * TPU async collective fusion: a ``fusion`` whose computation holds an
   ``AsyncCollectiveStart`` custom-call, continued by fusions whose computations
   hold the collective (and usually a convolution), ended by one holding
@@ -445,6 +447,12 @@ def _collectives_of(mod, comp, mesh_shape, axis_names) -> list[Collective]:
             chains[i.name] = {i.name}
         elif role == "pass" and carried:
             chains[i.name] = carried
+            if i.opcode == "async-update":
+                # A SparseCore-offloaded collective's async-start takes no data (``async-start()``);
+                # its async-update brings the operand in, so the transfer cannot begin before it.
+                for s in carried:
+                    if any(s not in chains.get(o, ()) for o in i.operands):
+                        open_at[s] = pos
         elif role == "done":
             for s in carried:
                 done_at.setdefault(s, pos)
@@ -460,7 +468,7 @@ def _collectives_of(mod, comp, mesh_shape, axis_names) -> list[Collective]:
         role = _classify(mod, i)
         if role == "start":
             end = done_at.get(i.name, len(instrs))
-            inside = tuple(instrs[k].name for k in range(pos + 1, end) if is_compute[k])
+            inside = tuple(instrs[k].name for k in range(open_at[i.name] + 1, end) if is_compute[k])
             c = _describe(mod, comp, i, names, instrs, end, inside, True, mesh_shape, axis_names)
             c = dataclasses.replace(c, flops_inside=_sum_flops(mod, comp, [names[n] for n in inside]))
             result = instrs[end].name if end < len(instrs) else i.name
