@@ -14,7 +14,7 @@ import dataclasses
 
 from jax_cp.exchanges import AllGather, AllToAll, KVExchange, Ring
 
-__all__ = ["AUTO", "Choice", "choose", "chip_of", "int_or_auto", "RULES", "SPLASH_RULES"]
+__all__ = ["AUTO", "Choice", "choose", "chip_of", "int_or_auto", "RULES", "SPLASH_RULES", "SPLASH_LONG_RULES"]
 
 AUTO = "auto"
 KV_MEMORY_SHARE = 0.25  # gathered K/V (and their float32 gradients) beyond this share of HBM: the ring
@@ -56,8 +56,18 @@ RULES = {
 SPLASH_RULES = {
     "v5e": {"ulysses": (AllGather(), 2, 1, "v5e (1,4,2) with splash 1.00 / 1.00, v5e:2x4 (1,4,2) 1.00 / 1.00"),
             "hybrid": (AllToAll(), 2, 0, "v5e (2,2,4) with splash 1.00 / 1.00")},
-    "v5p": {"ulysses": (AllGather(), 2, 2, "v5p (1,4,4) with splash 1.00 / 1.00 (at 128K 0.62 / 1.00)"),
+    "v5p": {"ulysses": (AllGather(), 2, 2, "v5p (1,4,4) with splash 1.00 / 1.00 at S = 8K and 32K"),
             "hybrid": (Ring(), 2, 1, "v5p (4,4,4) with splash 1.00 / 1.00 (transfer time 0.87 / 1.00)")},
+}
+# Long sequences with splash: from this many tokens per device (S / (c u)) on, the entry replaces the
+# SPLASH_RULES one (the attention kernels outgrow the projections, and the schedule changes with them).
+# v5p Ulysses (1,4,4), B=4, bytes fwd / bwd and time fwd / bwd, first chunk fused against both fused:
+# 16K tokens per device (S=64K) 0.75 / 1.00, 0.75 / 1.00 against 0.62 / 1.00, 0.62 / 1.00; 32K (S=128K)
+# 1.00 / 1.00, 0.75 / 1.00 against 0.62 / 1.00, 0.62 / 1.00; estimated steps within 0.2 %. At 8K
+# tokens per device (S=32K) both fused hides everything and first-only 0.75 forward: the entry above.
+SPLASH_LONG_RULES = {
+    "v5p": {"ulysses": (16384, (AllGather(), 2, 1, "v5p (1,4,4) with splash at >= 16K tokens per device: "
+                                                   "0.75-1.00 / 1.00 in bytes, 0.75 / 1.00 in time"))},
 }
 # Not measured: other TPU generations take the v5e rule (the same lite-chip scheduler flags).
 TPU_FALLBACK = "v5e"
@@ -86,12 +96,13 @@ def _divisor_at_most(n: int, limit: int) -> int:
 
 def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads: int,
            kv_bytes_per_device: float | None = None, hbm_bytes: float | None = None,
-           kernel: str = "blockwise") -> Choice:
+           kernel: str = "blockwise", tokens_per_device: int | None = None) -> Choice:
     """The grouping for a layout (pure: no devices needed; tests call it per platform and layout).
 
     ``kv_bytes_per_device``: all-gathered K/V of one layer on one device; with
     ``hbm_bytes`` it decides whether the O(S/c) ring is needed. ``kernel``: the local kernel the
-    layer runs (``"splash"`` takes ``SPLASH_RULES`` where they have the layout kind).
+    layer runs (``"splash"`` takes ``SPLASH_RULES`` where they have the layout kind, and
+    ``SPLASH_LONG_RULES`` from their ``tokens_per_device``, ``S / (c u)``, on).
     """
     if c == 1 and u == 1:
         return Choice(AllGather(), 1, 0, "no context parallelism: nothing to hide")
@@ -101,7 +112,11 @@ def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads
     kind = "ulysses" if c == 1 else "colossal" if u == 1 else "hybrid"
     table = RULES.get(chip) or RULES[TPU_FALLBACK]
     if kernel == "splash":
-        table = table | SPLASH_RULES.get(chip if chip in RULES else TPU_FALLBACK, {})
+        known = chip if chip in RULES else TPU_FALLBACK
+        table = table | SPLASH_RULES.get(known, {})
+        long = SPLASH_LONG_RULES.get(known, {}).get(kind)
+        if long and tokens_per_device and tokens_per_device >= long[0]:
+            table = table | {kind: long[1]}
     exchange, n, fused, measured = table[kind]
     why = f"measured {measured}" + ("" if chip in RULES else f" (chip {chip or 'unknown'}: the {TPU_FALLBACK} rule)")
     if c > 1 and exchange != Ring() and kv_bytes_per_device and hbm_bytes \

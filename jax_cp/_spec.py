@@ -134,7 +134,8 @@ class AttentionSpec:
                 itemsize: int = 2) -> tuple["AttentionSpec", Choice | None]:
         """This spec with every ``"auto"`` filled in for ``mesh`` (explicit values kept), and the
         ``Choice`` behind it (``None`` when nothing was auto). ``batch``/``seq_len`` enable the
-        memory rule (the ring when all-gathered K/V would not fit)."""
+        memory rule (the ring when all-gathered K/V would not fit) and, with ``seq_len``, the
+        long-sequence entries (``_defaults.SPLASH_LONG_RULES``)."""
         if self.is_resolved:
             return self, None
         dims = mesh_dims(mesh)
@@ -145,7 +146,8 @@ class AttentionSpec:
             kv_bytes = (batch // dims.dp) * seq_len * kv_local * (self.head_dim + self.v_head_dim) * itemsize
             hbm = _hbm_bytes(chip)
         c = choose(platform=platform, chip=chip, c=dims.c, u=dims.u, t=dims.t, num_heads=self.num_heads,
-                   kv_bytes_per_device=kv_bytes, hbm_bytes=hbm, kernel=self._tpu_kernel(platform))
+                   kv_bytes_per_device=kv_bytes, hbm_bytes=hbm, kernel=self._tpu_kernel(platform),
+                   tokens_per_device=seq_len // (dims.c * dims.u) if seq_len else None)
         ex = self.kv_exchange
         if ex == AUTO:  # the rule's exchange, unless an explicit kernel or fusing rules it out
             ex = c.kv_exchange

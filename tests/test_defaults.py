@@ -6,7 +6,7 @@ from flax import nnx
 
 import jax_cp
 from jax_cp import exchanges
-from jax_cp._defaults import KV_MEMORY_SHARE, RULES, chip_of, choose
+from jax_cp._defaults import KV_MEMORY_SHARE, RULES, SPLASH_LONG_RULES, chip_of, choose
 
 AG, A2A, RING = exchanges.AllGather(), exchanges.AllToAll(), exchanges.Ring()
 GiB = 2**30
@@ -244,3 +244,29 @@ def test_splash_layers_take_the_rule_measured_with_splash():
     assert spec.replace(local_window_size=(128, 0))._tpu_kernel("tpu") == "splash"  # windows too, now
     assert spec.replace(record_max_logits=True)._tpu_kernel("tpu") == "blockwise"
     assert spec.replace(kernel="blockwise")._tpu_kernel("tpu") == "blockwise"
+
+
+def test_long_sequences_take_the_long_splash_entry():
+    """v5p Ulysses with splash: both chunks fused up to 16K tokens per device, only the first from there
+    on (measured at 8K, 16K and 32K tokens per device: jax_cp._defaults.SPLASH_LONG_RULES); the blockwise
+    rule and other chips are not length-dependent; the sequence length reaches the rule through resolve."""
+    (threshold, _), = SPLASH_LONG_RULES["v5p"].values()
+    assert threshold == 16384
+    v5p = dict(platform="tpu", chip="v5p", c=1, u=4, t=4, num_heads=32, kernel="splash")
+    pick = lambda **k: (lambda ch: (ch.kv_exchange, ch.overlap_chunks, ch.fused_qkv_chunks))(choose(**k))  # noqa: E731
+    assert pick(**v5p) == pick(**v5p, tokens_per_device=threshold - 1) == (AG, 2, 2)
+    assert pick(**v5p, tokens_per_device=threshold) == pick(**v5p, tokens_per_device=32768) == (AG, 2, 1)
+    assert "16K tokens per device" in choose(**v5p, tokens_per_device=threshold).why
+    assert pick(**{**v5p, "kernel": "blockwise"}, tokens_per_device=32768) == (AG, 2, 2)
+    assert pick(**{**v5p, "chip": "v5e", "t": 2}, tokens_per_device=32768) == (AG, 2, 1)  # v5e's splash entry
+    hybrid = dict(v5p, c=4)
+    assert pick(**hybrid, tokens_per_device=32768) == pick(**hybrid) == (RING, 2, 1)
+    pytest.importorskip("libtpu", reason="TPU topology devices come from the libtpu wheel")
+    from jax_cp import plan
+
+    mesh = plan.topology_mesh("v5p:2x2x2", cp_ulysses=4, tp=2)
+    base = jax_cp.AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, is_causal=True)
+    short, _ = base.resolve(mesh, batch=1, seq_len=4 * 8192)
+    long, why = base.resolve(mesh, batch=1, seq_len=4 * 16384)
+    assert (short.overlap_chunks, short.fused_qkv_chunks, long.overlap_chunks, long.fused_qkv_chunks) == (2, 2, 2, 1)
+    assert "tokens per device" in why.why
