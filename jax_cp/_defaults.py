@@ -6,7 +6,8 @@ TPU generation) and the layout (``c, u, t``, heads, kv heads, tokens per device)
 ``choose`` below is the one rule, a table of what the TPU compiler's schedule
 hid best (benchmarks/RESULTS.md "Overlap (planner)", Llama-3-8B layer, the flags
 ``plan.recommended_xla_flags`` gives), plus memory: the ring when all-gathered
-K/V would take more than a quarter of a device's HBM. Explicit values win.
+K/V would take more than a quarter of a device's HBM, and, with splash, the tokens per device
+(``SPLASH_LONG_RULES``). Explicit values win.
 """
 from __future__ import annotations
 
