@@ -415,8 +415,7 @@ def test_plan_one_training_step_for_a_tpu_topology(monkeypatch, capsys):
     assert a2a["bwd"].count(both) == 2 * 2  # layers x chunks: dK/dV over both CP axes
     assert both in a2a["fwd"] and not any(c.kind == "reduce-scatter" for c in a.schedule.collectives)
     assert 0 < a.overlap("fwd") < a.overlap("bwd") <= 1
-    tp_bwd = [c for c in a.schedule.collectives if c.kind == "all-reduce" and c.axes == ("tp",) and c.phase == "bwd"
-              and c.bytes >= 2**16]
+    tp_bwd = _tp_sums(a, "bwd")
     assert tp_bwd and any(c.overlapped for c in tp_bwd), [(c.bytes, c.is_async) for c in tp_bwd]
     fused_sums = "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true"
     flags = plan.recommended_xla_flags("tpu", chip="v5e")
@@ -450,9 +449,14 @@ def test_planned_step_overlaps_the_gradient_sums_on_v5p():
     assert largest.overlapped and largest.flops_inside, largest
     hidden = sum(c.bytes for c in grads if c.overlapped) / sum(c.bytes for c in grads)
     assert hidden >= 0.5, [(c.bytes, c.compute_inside) for c in grads]
-    tp = [c for c in a.schedule.select("bwd", cp_only=False)
-          if c.kind == "all-reduce" and c.axes == ("tp",) and c.bytes >= 2**16]
+    tp = _tp_sums(a, "bwd")
     assert sum(c.overlapped for c in tp) > len(tp) / 2, [(c.bytes, c.overlapped) for c in tp]
+
+
+def _tp_sums(analysis, phase):
+    """tp's activation sums of ``phase`` in a planned step (all-reduces over tp of 64 KiB or more)."""
+    return [c for c in analysis.schedule.select(phase, cp_only=False)
+            if c.kind == "all-reduce" and c.axes == ("tp",) and c.bytes >= 2**16]
 
 
 def _check_plan_cli(analysis, monkeypatch, capsys):

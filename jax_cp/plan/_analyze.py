@@ -21,7 +21,7 @@ from jax.sharding import AxisType
 
 from jax_cp import exchanges
 from jax_cp._checks import check_positive_int
-from jax_cp._mesh import MeshDims, make_mesh
+from jax_cp._mesh import MeshDims, make_mesh, mesh_dims
 from jax_cp.plan import _auto
 from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
 from jax_cp.plan._chips import chip_for
@@ -148,11 +148,9 @@ def analyze_program(fn, args, *, topology: str, mesh, label: str = "program", me
     """
     chip = chip_for(topology)
     budget = int(memory_budget or chip.device_hbm_bytes)
+    shape, dims = (layer.resolved(mesh)[0], mesh_dims(mesh)) if layer is not None else (None, None)  # before compiling
     a = _analyze_compiled(fn, args, label, mesh, chip, budget, _flags_for(chip, xla_flags), donate_argnums)
-    if layer is None:
-        return a
-    m = dict(mesh.shape)
-    return _with_shape_flops(a, layer.resolved(mesh)[0], m["cp_colossal"], m["cp_ulysses"], m["tp"], m["dp"], chip)
+    return a if shape is None else _with_shape_flops(a, shape, dims.c, dims.u, dims.t, dims.dp, chip)
 
 
 def _scheduled_text(compiled, dump: str) -> str:
