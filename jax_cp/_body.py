@@ -38,6 +38,9 @@ __all__ = ["attention_shard", "GivenQKV", "placed_metadata", "check_dtype", "che
 # the parts it needs, so the layer runs no collective for metadata (ints, B*S*4 bytes,
 # gathered once outside the layer and shared by every layer of a model).
 META_SPEC = P(DP, None)
+# The field name ``placed_metadata`` gives the default positions (``arange``, nothing else given):
+# ``shard_meta`` then marks the Meta ``natural``, and the splash kernel builds its masks when traced.
+NATURAL_POS = "pos (natural)"
 
 
 def attention_shard(projections, meta: Meta, *, spec):
@@ -158,10 +161,11 @@ def placed_metadata(positions, segment_ids, batch: int, seq_len: int, mesh, kv_s
     so every entry point hands its per-shard function only what was given (``shard_meta``).
     """
     positions = check_metadata("positions", positions, batch, seq_len)
+    segment_ids = check_metadata("segment_ids", segment_ids, batch, seq_len)
+    natural = positions is None and segment_ids is None and kv_segment_ids is None and kv_positions is None
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
-    segment_ids = check_metadata("segment_ids", segment_ids, batch, seq_len)
-    given = [(name, place(a, mesh, META_SPEC)) for name, a in
+    given = [(NATURAL_POS if natural and name == "pos" else name, place(a, mesh, META_SPEC)) for name, a in
              zip(Meta._fields, (positions, segment_ids, kv_segment_ids, kv_positions)) if a is not None]
     # Opaque to constant folding: folded into the kernel's per-block bounds, the default arange
     # becomes a reduce over an iota that libtpu 0.0.52 aborts on while splitting it over a v5p
@@ -172,7 +176,11 @@ def placed_metadata(positions, segment_ids, batch: int, seq_len: int, mesh, kv_s
 
 def shard_meta(fields: tuple[str, ...], args) -> Meta:
     """Inside ``shard_map``: the ``Meta`` of the metadata ``placed_metadata`` handed in."""
-    return Meta(**dict(zip(fields, args)))
+    given = dict(zip(fields, args))
+    natural = NATURAL_POS in given
+    if natural:
+        given["pos"] = given.pop(NATURAL_POS)
+    return Meta(**given, natural=natural)
 
 
 def _eager(args) -> bool:

@@ -34,6 +34,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_cp._blockwise import check_soft_cap, merge_softmax, unchecked as _unchecked, vary_as as _vary_as
@@ -132,9 +133,17 @@ def _row_info(kv_keys, q_hi, q_lo, *, T, window: bool = False):
     ``kv_keys`` (sorted or not: only counts are taken) are the keys' sort tuples; query ``t`` sees
     sorted keys ``lo_t <= s < hi_t`` where ``hi_t`` counts the keys ``<= q_hi[t]`` and ``lo_t`` those
     ``<= q_lo[t]`` (none if ``q_lo`` is None)."""
-    Tp, Sp = q_hi[0].shape[0], kv_keys[0].shape[0]
+    Sp = kv_keys[0].shape[0]
     hi = _counts_le(kv_keys, q_hi)
-    lo = jnp.zeros(Tp, jnp.int32) if q_lo is None else _counts_le(kv_keys, q_lo)
+    lo = None if q_lo is None else _counts_le(kv_keys, q_lo)
+    return _info_from_bounds(hi, lo, Sp=Sp, T=T, window=window)
+
+
+def _info_from_bounds(hi, lo, *, Sp: int, T: int, window: bool = False):
+    """``_row_info`` from each query's bounds in the (sorted) keys: it sees ``lo_t <= s < hi_t``
+    (``lo`` None: from 0)."""
+    Tp = hi.shape[0]
+    lo = jnp.zeros(Tp, jnp.int32) if lo is None else lo
     qvalid = jnp.arange(Tp) < T
     hi = jnp.where(qvalid, hi, 0)
     has_key = hi > lo
@@ -152,6 +161,26 @@ def _row_info(kv_keys, q_hi, q_lo, *, T, window: bool = False):
     fwd, dq, dkv = _mask_info(block_mask, j_next), _mask_info(block_mask, j_next), _mask_info(block_mask, i_next)
     bound = jnp.left_shift(hi, _BITS) | jnp.minimum(lo, hi) if window else hi
     return tuple(m._replace(q_sequence=bound) for m in (fwd, dq, dkv)), has_key
+
+
+@functools.cache
+def _natural_info(Tp: int, Sp: int, T: int, S: int, is_causal: bool, window, keys: str = "same"):
+    """``_row_info`` computed when traced (NumPy constants) for keys in position order with no
+    segments: queries at positions ``0..T-1`` and keys at ``0..S-1`` (``keys="same"``), or every
+    key before every query (``"earlier"``: all visible, causal or not) or after it (``"later"``:
+    none visible when causal). Padding (queries past ``T``, keys past ``S``) sees and is seen by
+    nothing, as in the sorted path."""
+    t = np.arange(Tp, dtype=np.int64)
+    if keys == "same":
+        hi, lo = _bounds(t, is_causal=is_causal, window=window, xp=np)
+    else:
+        visible = keys == "earlier" or not is_causal
+        hi, lo = np.full(Tp, S - 1 if visible else -1, np.int64), None
+    count = lambda b: np.clip(b.astype(np.int64) + 1, 0, S).astype(np.int32)  # keys at positions <= b
+    with jax.ensure_compile_time_eval():
+        infos, has_key = _info_from_bounds(jnp.asarray(count(hi)), None if lo is None else jnp.asarray(count(lo)),
+                                           Sp=Sp, T=T, window=window is not None)
+    return jax.tree.map(np.asarray, (infos, has_key))
 
 
 def _below_bound(q_ids, kv_ids):
@@ -207,20 +236,26 @@ def _segment_ids(qseg, qseg0, kseg_s):
     return None if qseg is None else sa.SegmentIds(q=qseg0, kv=kseg_s)
 
 
-def _bounds(qpos, *, is_causal: bool, window):
+def _bounds(qpos, *, is_causal: bool, window, xp=jnp):
     """Per-query position bounds ``(hi, lo)``: keys at positions ``<= hi`` and ``> lo`` (``lo`` None:
-    no lower bound), saturating at the int32 range."""
+    no lower bound), saturating at the int32 range (``xp``: ``numpy`` for bounds known when traced)."""
     if window is None:
-        return (qpos if is_causal else jnp.full(qpos.shape, _IMAX, jnp.int32)), None
+        return (qpos if is_causal else xp.full(qpos.shape, _IMAX, xp.int32)), None
     left, right = (min(w, 2**31 - 1) for w in window)
-    hi = qpos if is_causal else jnp.where(qpos > _IMAX - right, _IMAX, qpos + right)
-    return hi, jnp.where(qpos < _IMIN + left + 1, _IMIN, qpos - left - 1)
+    hi = qpos if is_causal else xp.where(qpos > _IMAX - right, _IMAX, qpos + right)
+    return hi, xp.where(qpos < _IMIN + left + 1, _IMIN, qpos - left - 1)
 
 
 def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, sinks_H, *, T, S, is_causal, window, interpret,
-             soft_cap=None):
-    """One batch row, already padded to block multiples; returns ``o_HTd`` and ``has_key_T``."""
+             soft_cap=None, known=None):
+    """One batch row, already padded to block multiples; returns ``o_HTd`` and ``has_key_T``.
+    ``known``: ``(infos, has_key)`` when the mask is known when traced (``_natural_info``), so no key
+    is sorted and ``qpos``/``kpos`` are not read."""
     Tp, Sp = q_HTd.shape[1], k_KSd.shape[1]
+    static = _static(Tp, Sp, interpret, soft_cap, window=window is not None, mqa=k_KSd.shape[0] == 1)
+    if known is not None:
+        infos, has_key = known
+        return _unchecked_call(static, infos, q_HTd, k_KSd, v_KSd, None, sinks_H), has_key
     perm, kv_keys = _sort_keys(kpos, kseg, S)
     k_KSd, v_KSd, kseg_s = k_KSd[:, perm], v_KSd[:, perm], kv_keys[1][perm]
     qseg0 = jnp.zeros(Tp, jnp.int32) if qseg is None else qseg
@@ -228,7 +263,6 @@ def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, sinks_H, *, T, S, is_c
     hi, lo = _bounds(qpos, is_causal=is_causal, window=window)
     q_lo = (zeros, qseg0 - 1, jnp.full(Tp, _IMAX, jnp.int32)) if lo is None else (zeros, qseg0, lo)
     infos, has_key = _row_info(kv_keys, (zeros, qseg0, hi), q_lo, T=T, window=window is not None)
-    static = _static(Tp, Sp, interpret, soft_cap, window=window is not None, mqa=k_KSd.shape[0] == 1)
     return _unchecked_call(static, infos, q_HTd, k_KSd, v_KSd, _segment_ids(qseg, qseg0, kseg_s), sinks_H), has_key
 
 
@@ -282,25 +316,35 @@ _unchecked_call.defvjp(_unchecked_fwd, _unchecked_bwd)
 def splash_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     is_causal=False, local_window_size=None, scale=None, logits_soft_cap=None, sinks=None, interpret: bool = False,
+    natural_positions: bool = False,
 ):
     """Splash attention with our data-defined masks (causal/full, segments, windows up to
     ``MAX_WINDOW_KEYS`` keys); ``sinks [H]`` go to the kernel's own sink support.
 
     ``interpret=True`` runs the Pallas kernel in interpret mode (any backend,
-    slow: for tests). Rows that see no key return zeros.
+    slow: for tests). Rows that see no key return zeros. ``natural_positions=True``: the caller
+    states that the positions are ``arange`` on both sides (queries and keys the same tokens, no
+    segment ids); the mask is then built when traced, as it is for a mask that ignores positions
+    (not causal, no window, no segment ids): no sort of keys at run time.
     """
     window = normalize_window(local_window_size)
     reason = splash_unsupported_reason(window=window, kv_len=k_BSKd.shape[1])
     if reason:
         raise ValueError(f"kernel='splash': {reason}; use kernel='blockwise' (or 'auto').")
+    segments = q_segment_ids is not None or kv_segment_ids is not None
+    if natural_positions and (segments or q_BTHd.shape[1] != k_BSKd.shape[1]):
+        raise ValueError(f"natural_positions=True states positions arange(S) on both sides of self-attention, but "
+                         f"{'segment ids are given' if segments else f'{q_BTHd.shape[1]} queries meet {k_BSKd.shape[1]} keys'}"
+                         "; pass natural_positions=False (the mask is then built from the positions).")
+    static_mask = natural_positions or not (is_causal or window is not None or segments)
     return _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids, kv_segment_ids, sinks,
                        is_causal=bool(is_causal), window=window, scale=scale, interpret=bool(interpret),
-                       soft_cap=check_soft_cap(logits_soft_cap))
+                       soft_cap=check_soft_cap(logits_soft_cap), static_mask=bool(static_mask))
 
 
-@partial(jax.jit, static_argnames=("is_causal", "window", "scale", "interpret", "soft_cap"))
+@partial(jax.jit, static_argnames=("is_causal", "window", "scale", "interpret", "soft_cap", "static_mask"))
 def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids, kv_segment_ids, sinks, *,
-                is_causal, window, scale, interpret, soft_cap):
+                is_causal, window, scale, interpret, soft_cap, static_mask=False):
     """Jitted so that eager ``shard_map`` sees one primitive (the kernel is traced unchecked inside)."""
     B, T, H, d = q_BTHd.shape
     S = k_BSKd.shape[1]
@@ -312,11 +356,15 @@ def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids
     qpos, kpos = _pad_seq(i32(q_positions), Tp), _pad_seq(i32(kv_positions), Sp)
     qseg, kseg = _pad_seq(i32(q_segment_ids), Tp), _pad_seq(i32(kv_segment_ids), Sp)
 
-    def row(q, k, v, qpos, kpos, qseg, kseg):
+    def row(q, k, v, qpos, kpos, qseg, kseg, known):
         return _one_row(q, k, v, qpos, kpos, qseg, kseg, sinks, T=T, S=S, is_causal=is_causal, window=window,
-                        interpret=interpret, soft_cap=soft_cap)
+                        interpret=interpret, soft_cap=soft_cap, known=known)
 
-    o_BHTd, has_key_BT = jax.vmap(row)(q, k, v, qpos, kpos, qseg, kseg)
+    known = None
+    if static_mask:  # the mask's constants, one per row and typed as the data (batched like it)
+        known = jax.tree.map(lambda a: _vary_as(jnp.broadcast_to(a, (B, *a.shape)), q, k, v),
+                             _natural_info(Tp, Sp, T, S, is_causal, window))
+    o_BHTd, has_key_BT = jax.vmap(row)(q, k, v, qpos, kpos, qseg, kseg, known)
     o = jnp.swapaxes(o_BHTd, 1, 2)[:, :T]
     # Each call's rows-with-a-key mask is tied to its own output: the masks of a layer's head
     # chunks are equal (same positions), so XLA would merge the chunks' selects into one fusion,
@@ -341,17 +389,22 @@ class RingStep:
     has_segments: bool
     static: tuple  # the kernel's keyword arguments
     window: tuple[int, int] | None = None
+    natural: bool = False  # chunks of arange positions, no segments: masks known when traced (_natural_info)
 
 
 def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, interpret, soft_cap=None,
-                 kv_seg_BT=None, kv_pos_BT=None, window=None):
+                 kv_seg_BT=None, kv_pos_BT=None, window=None, natural: bool = False):
     """``(q [B, H, Tp, d] scaled, q metadata, home chunk, RingStep)``. The home chunk is
     ``(k [B, K, Sp, d], v, positions, segments)`` with each row's keys sorted by (segment,
     position); padding keys (beyond the chunk, or of a negative segment) carry segment
     ``int32 max`` and sort last. ``segments`` is None when there is neither padding nor a
     segment id, so that only what the mask needs travels. ``kv_seg_BT`` / ``kv_pos_BT``: the keys'
     segment ids / positions when they differ from the queries' (key padding; cross attention,
-    where K/V are a chunk of other tokens, of their own length). ``window``: ``(left, right)``."""
+    where K/V are a chunk of other tokens, of their own length). ``window``: ``(left, right)``.
+    ``natural``: every device's chunk holds the positions ``i T .. (i+1) T - 1`` (the default
+    positions split over the ring), no segment ids, no window: nothing is sorted, the chunk travels
+    with its first position only, and each step's mask is one of three known when traced
+    (``_natural_info``: the same chunk, an earlier or a later one)."""
     B, T, H, d = q_BTHd.shape
     S, K = k_BTKd.shape[1], k_BTKd.shape[2]
     Tp, Sp = _padded(T), _padded(S)
@@ -359,6 +412,15 @@ def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, in
     qx = jnp.swapaxes(_pad_seq(q_BTHd * jnp.asarray(scale, q_BTHd.dtype), Tp), 1, 2)
     i32 = lambda a, n: None if a is None else _pad_seq(jnp.asarray(a, jnp.int32), n)
     pos, seg = i32(pos_BT, Tp), i32(seg_BT, Tp)
+    if natural:
+        given = [name for name, a in (("seg_BT", seg_BT), ("kv_seg_BT", kv_seg_BT), ("kv_pos_BT", kv_pos_BT),
+                                      ("window", window)) if a is not None]
+        if given or S != T:
+            raise ValueError(f"natural=True states arange chunks of self-attention, but {given or f'S={S} != T={T}'} "
+                             "given; pass natural=False (masks are then built from the positions).")
+        static = _static(Tp, Sp, interpret, soft_cap, mqa=K == 1)
+        kx, vx = (jnp.swapaxes(_pad_seq(a, Sp), 1, 2) for a in (k_BTKd, v_BTKd))
+        return qx, (pos, None), (kx, vx, pos[:, :1], None), RingStep(T, bool(is_causal), False, static, None, True)
     kpos = pos if kv_pos_BT is None else i32(kv_pos_BT, Sp)
     kseg_src = seg if kv_seg_BT is None else i32(kv_seg_BT, Sp)
     idx = jnp.broadcast_to(jnp.arange(Sp, dtype=jnp.int32), kpos.shape)
@@ -381,6 +443,14 @@ def _row_kernel_args(step: RingStep, kv, qm):
     _, _, kpos, kseg = kv
     qpos, qseg = qm
     Tp = qpos.shape[0]
+    if step.natural:  # kpos: the chunk's first position; chunks are equal, so it is earlier, later or this one
+        Sp = kv[0].shape[-2]
+        same, earlier, later = (_natural_info(Tp, Sp, step.T, step.T, step.is_causal, None, keys)
+                                for keys in ("same", "earlier", "later"))
+        d = qpos[0] - kpos[0]
+        pick = lambda a, b, c: jnp.where(d == 0, a, jnp.where(d > 0, b, c))
+        infos, has_key = jax.tree.map(pick, same, earlier, later)
+        return infos, has_key, None
     hi, lo = _bounds(qpos, is_causal=step.is_causal, window=step.window)
     packed = step.window is not None
     if kseg is None:  # no segments, no padding: keys sorted by position

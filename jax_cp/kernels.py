@@ -157,13 +157,16 @@ def local_attention(
     q_BTHd, k_BSKd, v_BSKd, *, kernel: str = "auto", q_positions, kv_positions, q_segment_ids=None,
     kv_segment_ids=None, is_causal=False, local_window_size=None, scale=None, block_q=None, block_kv=None,
     logits_soft_cap=None, sinks=None, return_max_logits: bool = False, return_residual: bool = False,
+    natural_positions: bool = False,
 ):
     """Runs the selected kernel (see ``KERNELS``, ``select_kernel``) on one device's share.
 
     ``block_q``/``block_kv`` size the blockwise kernel's tiles (``None``: ``auto_blocks``); the
     platform kernels choose their own. ``sinks [H]``: per-query-head sink logits (or None).
     ``return_max_logits``/``return_residual``: ``o`` then ``max_logits [H]`` and/or the log-sum-exp
-    ``[B, T, H]`` (blockwise, pallas_gpu and ``"xla"`` only)."""
+    ``[B, T, H]`` (blockwise, pallas_gpu and ``"xla"`` only). ``natural_positions=True`` states that
+    both sides' positions are ``arange(S)`` (self-attention, no segment ids): splash then builds its
+    mask when traced instead of sorting keys at run time; the other kernels read the positions."""
     window = normalize_window(local_window_size)
     chosen = select_kernel(kernel, platform=target_platform(), is_causal=is_causal, window=window,
                            has_segments=q_segment_ids is not None, dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1],
@@ -182,5 +185,6 @@ def local_attention(
                                    return_max_logits=return_max_logits, return_residual=return_residual,
                                    kernel=chosen)
     if chosen == "splash":
-        return splash_attention(q_BTHd, k_BSKd, v_BSKd, interpret=target_platform() != "tpu", **kw)
+        return splash_attention(q_BTHd, k_BSKd, v_BSKd, interpret=target_platform() != "tpu",
+                                natural_positions=natural_positions, **kw)
     return cudnn_attention(q_BTHd, k_BSKd, v_BSKd, scale=scale)

@@ -316,3 +316,58 @@ def test_splash_needs_its_private_entry_points(monkeypatch):
     assert kernels.describe(platform="tpu", kv_exchange="ring") == f"blockwise (auto on tpu: {why})"
     with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this call: this JAX \(9\.9\)"):
         kernels.select_kernel("splash", platform="tpu", **mask)
+
+
+@pytest.mark.parametrize("T, mask", [(256, dict(is_causal=True)), (200, dict(is_causal=True)),
+                                     (384, dict(is_causal=True, local_window_size=(130, 0))),
+                                     (300, dict(local_window_size=(40, 200))), (200, dict())])
+def test_masks_known_when_traced_equal_the_sorted_ones(T, mask):
+    """``_splash._natural_info`` (positions in order, built with NumPy when traced) gives the kernel the
+    same block mask, block order, per-query bounds and rows-with-a-key as the run-time path (keys sorted,
+    bounds counted) on arange positions, padding included (T = 200, 300: 56 and 84 padded lanes). The
+    ring's other chunks: every key earlier (all visible) or later (none when causal)."""
+    from jax_cp import _splash as sp
+    from jax_cp._masks import normalize_window
+
+    window = normalize_window(mask.get("local_window_size"))
+    causal = mask.get("is_causal", False)
+    Tp = sp._padded(T)
+
+    def sorted_path(qpos, kpos):
+        perm, keys = sp._sort_keys(kpos, None, T)
+        zeros = jnp.zeros(Tp, jnp.int32)
+        hi, lo = sp._bounds(qpos, is_causal=causal, window=window)
+        q_lo = (zeros, zeros - 1, jnp.full(Tp, sp._IMAX, jnp.int32)) if lo is None else (zeros, zeros, lo)
+        assert (np.asarray(perm)[:T] == np.arange(T)).all()  # in order already
+        return sp._row_info(keys, (zeros, zeros, hi), q_lo, T=T, window=window is not None)
+
+    def fields(info):
+        infos, has_key = info
+        return [np.asarray(x) for m in infos for x in (m.block_mask, m.data_next, m.q_sequence)] + [np.asarray(has_key)]
+
+    pos = jnp.pad(jnp.arange(T, dtype=jnp.int32), (0, Tp - T))
+    cases = [("same", pos)]
+    if window is None:  # the ring's other chunks (windows never take this path)
+        cases += [("earlier", pos + Tp), ("later", pos - Tp)]
+    for keys, qpos in cases:
+        want, got = fields(sorted_path(qpos, pos)), fields(sp._natural_info(Tp, Tp, T, T, causal, window, keys))
+        for i, (w, g) in enumerate(zip(want, got)):
+            np.testing.assert_array_equal(g, w, err_msg=f"{keys} field {i} {T=} {mask=}")
+    if causal and window is None:
+        assert not fields(sp._natural_info(Tp, Tp, T, T, True, None, "later"))[-1].any()
+
+
+def test_natural_positions_refuse_what_they_cannot_state():
+    from jax_cp import _splash as sp
+
+    q = jnp.zeros((1, 128, 2, 8), F32)
+    pos = jnp.zeros((1, 128), jnp.int32)
+    with pytest.raises(ValueError, match=r"natural_positions=True states positions arange\(S\) .* segment ids are given"):
+        sp.splash_attention(q, q, q, q_positions=pos, kv_positions=pos, q_segment_ids=pos, kv_segment_ids=pos,
+                            natural_positions=True, interpret=True)
+    with pytest.raises(ValueError, match=r"128 queries meet 256 keys; pass natural_positions=False"):
+        k = jnp.zeros((1, 256, 2, 8), F32)
+        sp.splash_attention(q, k, k, q_positions=pos, kv_positions=jnp.zeros((1, 256), jnp.int32),
+                            natural_positions=True, interpret=True)
+    with pytest.raises(ValueError, match=r"natural=True states arange chunks .*\['window'\] given"):
+        sp.ring_prepare(q, q, q, pos, None, scale=None, is_causal=True, interpret=True, window=(4, 0), natural=True)

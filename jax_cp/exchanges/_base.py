@@ -29,12 +29,15 @@ class Meta(NamedTuple):
     ``kv_seg``, when given, is the keys' segment ids (``seg`` then holds the queries'): padding
     stated separately for queries and keys (``query_seq_lengths``/``key_value_seq_lengths``), or
     cross attention. ``kv_pos``, when given, is the keys' positions ``[B, S_kv]`` (cross attention:
-    keys are other tokens than the queries, of their own length); ``None``: the queries' own."""
+    keys are other tokens than the queries, of their own length); ``None``: the queries' own.
+    ``natural`` (static): ``pos`` is the default ``arange(S)`` of every row and nothing else is given,
+    so a kernel may build its mask when traced (the splash kernel does)."""
 
     pos: jax.Array
     seg: jax.Array | None = None
     kv_seg: jax.Array | None = None
     kv_pos: jax.Array | None = None
+    natural: bool = False
 
     @property
     def keys_seg(self):
@@ -112,10 +115,11 @@ def attend_gathered(q_BTHd, kv_BS2Kd, meta: Meta, spec, sinks=None):
     """The local kernel on the colossal chunk of queries and every token's K and V (``pair_kv``'d)."""
     pos, seg = seq_chunk(meta.pos, (COLOSSAL,)), seq_chunk(meta.seg, (COLOSSAL,))
     k, v = _unpair_kv(kv_BS2Kd, q_BTHd.shape[-1])
+    natural = meta.natural and jax.lax.axis_size(COLOSSAL) == 1  # every query and key: positions arange(S)
     return _kernels.local_attention(
         q_BTHd, k, v, kernel=spec.kernel, q_positions=pos,
         kv_positions=meta.keys_pos, q_segment_ids=seg, kv_segment_ids=meta.keys_seg, is_causal=spec.is_causal,
         local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q, block_kv=spec.block_kv,
         logits_soft_cap=spec.logits_soft_cap, sinks=sinks, return_max_logits=spec.record_max_logits,
-        return_residual=spec.return_residual,
+        return_residual=spec.return_residual, natural_positions=natural,
     )

@@ -186,11 +186,14 @@ _splash_ring.defvjp(_splash_ring_fwd, _splash_ring_bwd)
 
 def splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_name: str, is_causal=False,
                           local_window_size=None, scale=None, logits_soft_cap=None, sinks=None, kv_seg_BT=None,
-                          kv_pos_BT=None, interpret: bool = False):
+                          kv_pos_BT=None, interpret: bool = False, natural_positions: bool = False):
     """As :func:`ring_attention` with the splash kernel in every step (windows over chunks of at most
     ``_splash.MAX_WINDOW_KEYS`` keys).
 
-    ``interpret=True`` runs the Pallas kernels in interpret mode (any backend; for tests)."""
+    ``interpret=True`` runs the Pallas kernels in interpret mode (any backend; for tests).
+    ``natural_positions=True``: the caller states that ``pos_BT`` is this device's chunk of
+    ``arange(S)`` (the ring's chunks in device order, no segment ids, no window); each step's mask is
+    then known when traced (``_splash.ring_prepare``'s ``natural``): no sort at run time."""
     T = q_BTHd.shape[1]
     window = normalize_window(local_window_size)
     reason = sp.splash_unsupported_reason(window=window, kv_len=k_BTKd.shape[1])
@@ -199,7 +202,7 @@ def splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_n
     qx, qm, home, step = sp.ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, scale=scale,
                                          is_causal=is_causal, interpret=interpret,
                                          soft_cap=bw.check_soft_cap(logits_soft_cap), kv_seg_BT=kv_seg_BT,
-                                         kv_pos_BT=kv_pos_BT, window=window)
+                                         kv_pos_BT=kv_pos_BT, window=window, natural=natural_positions)
     sinks = bw.varying_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT)
     o = _splash_ring(qx, qm, home, sinks, axis_name, step)
     return jnp.swapaxes(o[:, :, :T], 1, 2)
@@ -272,11 +275,13 @@ class Ring(KVExchange):
         kv_seg, kv_pos = seq_chunk(meta.kv_seg, (COLOSSAL,)), seq_chunk(meta.kv_pos, (COLOSSAL,))
         step = self.kernel(spec, q_BTHd, k_BTKd, seg is not None)
         if step == "splash":
+            natural = meta.natural and normalize_window(spec.local_window_size) is None
             return splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL,
                                          is_causal=spec.is_causal, local_window_size=spec.local_window_size,
                                          scale=spec.scale,
                                          logits_soft_cap=spec.logits_soft_cap, sinks=sinks, kv_seg_BT=kv_seg,
-                                         kv_pos_BT=kv_pos, interpret=_kernels.target_platform() != "tpu")
+                                         kv_pos_BT=kv_pos, interpret=_kernels.target_platform() != "tpu",
+                                         natural_positions=natural)
         return ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL, is_causal=spec.is_causal,
                               local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q,
                               block_kv=spec.block_kv, logits_soft_cap=spec.logits_soft_cap, sinks=sinks,

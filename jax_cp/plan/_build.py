@@ -134,7 +134,7 @@ def naive_layer(shape: LayerShape, mesh):
         y = jnp.einsum("bsd,dte->bse", x_BSD.astype(dt), w_qkv.astype(dt))
         q, k, v = jnp.split(y, [hq * d, (hq + hk) * d], axis=-1)
         q, k, v = (seq_to_heads((a.reshape(B, s, -1, d),), ULYSSES)[0] for a in (q, k, v))
-        o = spec.kv_exchange.attend(q, k, v, Meta(pos_BS), spec)
+        o = spec.kv_exchange.attend(q, k, v, Meta(pos_BS, natural=True), spec)
         o = heads_to_seq(o, ULYSSES).reshape(B, s, hq * d)
         return lax.psum(jnp.einsum("bse,ted->bsd", o, w_o.astype(dt)), TP)
 
