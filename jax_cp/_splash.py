@@ -403,8 +403,8 @@ def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, in
     where K/V are a chunk of other tokens, of their own length). ``window``: ``(left, right)``.
     ``natural``: every device's chunk holds the positions ``i T .. (i+1) T - 1`` (the default
     positions split over the ring), no segment ids, no window: nothing is sorted, the chunk travels
-    with its first position only, and each step's mask is one of three known when traced
-    (``_natural_info``: the same chunk, an earlier or a later one)."""
+    without positions, and each step's mask is one of three known when traced (``_natural_info``:
+    the same chunk, an earlier or a later one), picked by the step's ``ahead``."""
     B, T, H, d = q_BTHd.shape
     S, K = k_BTKd.shape[1], k_BTKd.shape[2]
     Tp, Sp = _padded(T), _padded(S)
@@ -420,7 +420,7 @@ def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, in
                              "given; pass natural=False (masks are then built from the positions).")
         static = _static(Tp, Sp, interpret, soft_cap, mqa=K == 1)
         kx, vx = (jnp.swapaxes(_pad_seq(a, Sp), 1, 2) for a in (k_BTKd, v_BTKd))
-        return qx, (pos, None), (kx, vx, pos[:, :1], None), RingStep(T, bool(is_causal), False, static, None, True)
+        return qx, (pos, None), (kx, vx, None, None), RingStep(T, bool(is_causal), False, static, None, True)
     kpos = pos if kv_pos_BT is None else i32(kv_pos_BT, Sp)
     kseg_src = seg if kv_seg_BT is None else i32(kv_seg_BT, Sp)
     idx = jnp.broadcast_to(jnp.arange(Sp, dtype=jnp.int32), kpos.shape)
@@ -439,18 +439,26 @@ def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, in
     return qx, qm, (kx, vx, *keys), RingStep(T, bool(is_causal), seg is not None, static, window)
 
 
-def _row_kernel_args(step: RingStep, kv, qm):
+def _ring_known(step: RingStep, qx, kv, ahead):
+    """With ``step.natural``: the masks of the chunk in hand, known when traced up to which of three
+    it is (this device's own, ``ahead == 0``; an earlier one; a later one), one per row and typed as
+    the data (what ``_row_kernel_args`` takes as ``known``); else None."""
+    if not step.natural:
+        return None
+    B, Tp, Sp = qx.shape[0], qx.shape[2], kv[0].shape[2]
+    same, earlier, later = (_natural_info(Tp, Sp, step.T, step.T, step.is_causal, None, keys)
+                            for keys in ("same", "earlier", "later"))
+    pick = lambda a, b, c: _vary_as(jnp.broadcast_to(jnp.where(ahead == 0, a, jnp.where(ahead > 0, b, c)),
+                                                     (B, *a.shape)), qx, kv[0])
+    return jax.tree.map(pick, same, earlier, later)
+
+
+def _row_kernel_args(step: RingStep, kv, qm, known=None):
     _, _, kpos, kseg = kv
     qpos, qseg = qm
     Tp = qpos.shape[0]
-    if step.natural:  # kpos: the chunk's first position; chunks are equal, so it is earlier, later or this one
-        Sp = kv[0].shape[-2]
-        same, earlier, later = (_natural_info(Tp, Sp, step.T, step.T, step.is_causal, None, keys)
-                                for keys in ("same", "earlier", "later"))
-        d = qpos[0] - kpos[0]
-        pick = lambda a, b, c: jnp.where(d == 0, a, jnp.where(d > 0, b, c))
-        infos, has_key = jax.tree.map(pick, same, earlier, later)
-        return infos, has_key, None
+    if known is not None:
+        return *known, None
     hi, lo = _bounds(qpos, is_causal=step.is_causal, window=step.window)
     packed = step.window is not None
     if kseg is None:  # no segments, no padding: keys sorted by position
@@ -465,33 +473,34 @@ def _row_kernel_args(step: RingStep, kv, qm):
     return infos, has_key, _segment_ids(qseg, qseg0, kseg)
 
 
-def ring_forward_step(step: RingStep, qx, qm, kv, carry=None):
+def ring_forward_step(step: RingStep, qx, qm, kv, carry=None, ahead=None):
     """Attends the queries to the chunk ``kv`` in hand; ``carry=(o, lse)`` of earlier chunks
-    (float32, ``[B, H, Tp, d]`` and ``[B, H, Tp]``) is merged by log-sum-exp."""
-    def row(q, kv, qm):
-        infos, has_key, segment_ids = _row_kernel_args(step, kv, qm)
+    (float32, ``[B, H, Tp, d]`` and ``[B, H, Tp]``) is merged by log-sum-exp. ``ahead``: how many
+    places before the queries' own chunk the ring holds ``kv``'s (what ``step.natural`` reads)."""
+    def row(q, kv, qm, known):
+        infos, has_key, segment_ids = _row_kernel_args(step, kv, qm, known)
         o, (lse,) = _unchecked(  # the public kernel's forward, returning its log-sum-exp
             lambda infos, *a: _kernel(step.static, infos, save_residuals=True)(*a),
             infos, q, _kv_in(kv[0], step.static), _kv_in(kv[1], step.static), segment_ids)
         return (jnp.where(has_key[None, :, None], o.astype(jnp.float32), 0.0),
                 jnp.where(has_key[None], lse.astype(jnp.float32), _NEG))
 
-    o, lse = jax.vmap(row)(qx, kv, qm)
+    o, lse = jax.vmap(row)(qx, kv, qm, _ring_known(step, qx, kv, ahead))
     o, lse = _vary_as(o, qx, kv[0]), _vary_as(lse, qx, kv[0])
     if carry is None:
         return o, lse
     return merge_softmax(carry, (o, lse))
 
 
-def ring_backward_step(step: RingStep, qx, qm, kv, o, lse, do, dq=None):
+def ring_backward_step(step: RingStep, qx, qm, kv, o, lse, do, dq=None, ahead=None):
     """``(dq, dk, dv)`` (float32) of the chunk ``kv`` given the final ``o`` (queries' dtype) and
     ``lse``: splash's backward kernels with the merged residuals, so summing over chunks gives
-    the full gradient (``dq`` is added to)."""
-    def row(q, kv, qm, o, lse, do):
-        infos, _, segment_ids = _row_kernel_args(step, kv, qm)
+    the full gradient (``dq`` is added to). ``ahead``: as ``ring_forward_step``'s."""
+    def row(q, kv, qm, o, lse, do, known):
+        infos, _, segment_ids = _row_kernel_args(step, kv, qm, known)
         k, v = _kv_in(kv[0], step.static), _kv_in(kv[1], step.static)
         return _backward(step.static, (q, k, v, segment_ids, None, o, lse, infos[1], infos[2]), do)[:3]
 
-    dq_s, dk, dv = jax.vmap(row)(qx, kv, qm, o, lse, do)
+    dq_s, dk, dv = jax.vmap(row)(qx, kv, qm, o, lse, do, _ring_known(step, qx, kv, ahead))
     dq_s, dk, dv = (_vary_as(g.astype(jnp.float32), qx, kv[0]) for g in (dq_s, dk, dv))
     return dq_s if dq is None else dq + dq_s, dk, dv

@@ -188,11 +188,10 @@ def test_defaults_hide_the_llama_layer_on_v5p():
     (benchmarks/RESULTS.md, "Defaults"), so the v5p rules are checked on the topology they were
     measured on. Ulysses (1,4,4): every CP collective of forward and backward has compute inside, in
     bytes and in transfer time, against less than half the forward for the plain layer. Hybrid (4,4,4),
-    the ring: every forward collective, in bytes and in transfer time (0.87 of the time while the ring
-    sorted positions at run time: the sorts were all that ran under the first chunk's fused all-to-all;
-    with the default positions its masks are constants now), and the backward's but for a few
-    transfers outside the ring's loop: one gradient chunk on its way home (4 MiB) and the chunks'
-    first positions (8 bytes a row), 0.96 of the backward's bytes and time hidden when measured."""
+    the ring: the same. While the ring sorted positions at run time, 0.87 of the forward's transfer
+    time was covered (the sorts were all that ran under the first chunk's fused all-to-all) and a few
+    small position transfers of the backward ran alone; with the default positions its masks are
+    constants picked by the step (``_splash._natural_info``) and no positions travel."""
     pytest.importorskip("libtpu", reason="the TPU schedule comes from the libtpu wheel's compiler")
     big = dict(model="llama3-8b", seq_len=8192, batch=4)
     r, cp, overlap = _overlaps((1, 4, 4), "v5p:4x4x4", "auto", **big)
@@ -205,13 +204,9 @@ def test_defaults_hide_the_llama_layer_on_v5p():
 
     r, cp, overlap = _overlaps((4, 4, 4), "v5p:4x4x4", "auto", **big)
     assert (r.layer.kv_exchange, r.layer.overlap_chunks, r.layer.fused_qkv_chunks) == ("ring", 2, 1)
-    fwd = [c for c in cp if c.phase == "fwd"]
-    assert fwd and all(c.overlapped for c in fwd), [c.name for c in fwd if not c.overlapped]
-    exposed = [c for c in cp if not c.overlapped]
-    assert all(c.phase == "bwd" and c.kind == "collective-permute" and not c.in_loop for c in exposed), exposed
-    assert len(exposed) <= 4, exposed
-    assert overlap[0] == 1.0 and r.analysis.covered("fwd") == 1.0, r.analysis.time_covered
-    assert overlap[1] >= 0.95 and r.analysis.covered("bwd") >= 0.95, (overlap, r.analysis.time_covered)
+    assert {c.kind for c in cp} == {"all-to-all", "collective-permute"}, {c.kind for c in cp}
+    assert all(c.overlapped for c in cp), [(c.phase, c.name) for c in cp if not c.overlapped]
+    assert overlap == (1.0, 1.0) and r.analysis.covered("fwd") == r.analysis.covered("bwd") == 1.0
 
 
 def test_recommended_flags_for_this_host():

@@ -244,7 +244,7 @@ NATURAL_CASES = [  # kv_exchange, (c, u, t), K, mask, dtype: default positions, 
 @pytest.mark.parametrize("exchange,cut,K,mask,dtype", NATURAL_CASES)
 def test_default_positions_build_splash_masks_when_traced(exchange, cut, K, mask, dtype):
     """No positions or segment ids given: the splash masks are constants built when traced (the ring's
-    steps pick the same / earlier / later chunk's), so nothing is sorted at run time (the sorts were
+    steps pick the same / earlier / later chunk's, and no positions travel), so nothing is sorted at run time (the sorts were
     the only work under some exchanges, which then counted as exposed; benchmarks/RESULTS.md), and
     the result equals the reference. The same call with the positions stated sorts them."""
     c, u, t = cut
@@ -256,8 +256,11 @@ def test_default_positions_build_splash_masks_when_traced(exchange, cut, K, mask
                                             positions=positions, **mask)
 
     grad_jaxpr = lambda fn: str(jax.make_jaxpr(jax.grad(lambda q: fn(q, k, v).astype(F32).sum()))(q))
-    assert "pallas_call" in grad_jaxpr(f) and " sort[" not in grad_jaxpr(f)
-    stated = partial(f, positions=jnp.arange(S, dtype=jnp.int32))
-    assert " sort[" in grad_jaxpr(stated)
+    jaxpr = grad_jaxpr(f)
+    assert "pallas_call" in jaxpr and " sort[" not in jaxpr
+    assert ("ppermute" in jaxpr) == (exchange == "ring") and not re.search(r"i32\[[\d,]*\][^=\n]* = ppermute", jaxpr)
+    stated = grad_jaxpr(partial(f, positions=jnp.arange(S, dtype=jnp.int32)))
+    assert " sort[" in stated
+    assert (exchange == "ring") == bool(re.search(r"i32\[[\d,]*\][^=\n]* = ppermute", stated))  # positions travel
     ref = lambda q, k, v: reference.dot_product_attention(q, k, v, **mask)
     assert_matches(f, ref, (q, k, v), ct, dtype, f"{exchange=} {cut=} {mask=}")

@@ -34,20 +34,29 @@ def _shift(tree, axis_name: str, c: int, step: int = 1):
 
 
 def _loop(attend, home, axis_name):
-    """Runs ``carry = attend(carry, kv)`` over the ring's chunks, the chunk at home first."""
+    """Runs ``carry = attend(carry, kv, ahead)`` over the ring's chunks, the chunk at home first;
+    ``ahead``: how many places before this device's own the chunk in hand sits (its owner is rank
+    ``i - ahead``; 0 at home, negative for later chunks)."""
     c = lax.axis_size(axis_name)
+    own = lax.axis_index(axis_name)
 
-    def step(_, state):
+    def step(i, state):  # step s = i + 1 holds the chunk of rank own - s
         carry, kv = state
         nxt = _shift(kv, axis_name, c)  # issued first: in flight while this chunk is attended
-        return attend(carry, kv), nxt
+        return attend(carry, kv, _ahead(own, i + 1, c)), nxt
 
     if c == 1:
-        return attend(None, home)
+        return attend(None, home, 0)
     nxt = _shift(home, axis_name, c)
-    carry = attend(None, home)  # step 0: the chunk at home
+    carry = attend(None, home, 0)  # step 0: the chunk at home
     carry, kv = lax.fori_loop(0, c - 2, step, (carry, nxt))  # one step at a time: O(S/c) live
-    return attend(carry, kv)  # the last chunk needs no onward shift
+    return attend(carry, kv, _ahead(own, c - 1, c))  # the last chunk needs no onward shift
+
+
+def _ahead(own, s, c):
+    """``own - owner`` of the chunk from rank ``own - s`` (mod c), as ``_loop`` and ``_backward_ring``
+    hand it to their steps."""
+    return own - (own - s) % c
 
 
 def _home(k, v, pos, seg, kv_seg, kv_pos):
@@ -59,7 +68,7 @@ def _home(k, v, pos, seg, kv_seg, kv_pos):
 def _forward(q, home, pos, seg, axis_name, spec):
     qm = bw.Meta(pos, seg)  # the chunk's tokens as queries; as keys they travel in ``home``
 
-    def attend(carry, kv):  # continues the running softmax: no second output buffer
+    def attend(carry, kv, _):  # continues the running softmax: no second output buffer
         out = bw.forward(q, kv[0], kv[1], qm, bw.Meta(kv[2], kv[3]), spec, state=None if carry is None else carry[:2])
         if spec.max_logits and carry is not None:  # (o, lse, the rows' largest logit so far)
             out = (*out[:2], jnp.maximum(carry[2], out[2]))
@@ -87,12 +96,12 @@ def _ring_bwd(axis_name, spec, res, do):
     c = lax.axis_size(axis_name)
     qm = bw.Meta(pos, seg)
 
-    def grads(kv, dq=None):  # dq accumulates in place
+    def grads(kv, _, dq=None):  # dq accumulates in place
         return bw.backward(q, kv[0], kv[1], do, lse, delta, qm, bw.Meta(kv[2], kv[3]), spec, dq=dq)
 
     home = _home(k, v, pos, seg, kv_seg, kv_pos)
     if c == 1:
-        dq, dk, dv = grads(home)
+        dq, dk, dv = grads(home, 0)
     else:
         dq, (dk, dv) = _backward_ring(grads, home, do, axis_name, c)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None,
@@ -106,37 +115,39 @@ def _backward_ring(grads, home, do, axis_name, c):
     # home comes last: at step s device r holds chunk r+1+s, so the float32 dK/dV
     # accumulator of a chunk travels with it and completes on its owner at the
     # final step, with no return hop after the last compute.
-    def attend(dq, acc, kv):
+    own = lax.axis_index(axis_name)
+
+    def attend(dq, acc, kv, ahead):
         # The accumulator in hand travels while this chunk's gradients are computed;
         # the barrier holds the next step's compute until the sum is done, so XLA
         # cannot run every step's compute first and leave the transfers in a row.
         recv = _shift(acc, axis_name, c, -1)
-        dq, dk_s, dv_s = grads(kv, dq)
+        dq, dk_s, dv_s = grads(kv, ahead, dq)
         return lax.optimization_barrier((dq, (recv[0] + dk_s, recv[1] + dv_s)))
 
-    def step(_, state):  # a remote chunk, the next one already on its way
+    def step(i, state):  # a remote chunk (rank own + 1 + i), the next one already on its way
         dq, acc, kv = state
         nxt = _shift(kv, axis_name, c, -1)
-        return *attend(dq, acc, kv), nxt
+        return *attend(dq, acc, kv, _ahead(own, -1 - i, c)), nxt
 
     # The first transfer waits for the output cotangent: it depends on forward residuals
     # only, and XLA would hoist it into the forward pass, keeping a K/V chunk alive there
     # and taking collective slots from the forward's own exchanges.
     kv = _shift(lax.optimization_barrier((home, do))[0], axis_name, c, -1)
     if c == 2:
-        dq, dk, dv = grads(kv)  # the one remote chunk starts its accumulator
+        dq, dk, dv = grads(kv, _ahead(own, -1, c))  # the one remote chunk starts its accumulator
         acc = (dk, dv)
     else:
         # Step 0 runs in the loop, with an empty accumulator (zeros travel once): peeled, its
         # onward K/V transfer was scheduled after its kernels, with nothing inside.
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grads, kv))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grads, kv, 0))
         dq0, dk0, dv0 = (bw.vary_as(z, kv, do) for z in zeros)
         dq, acc, kv = lax.fori_loop(0, c - 2, step, (dq0, (dk0, dv0), kv))
-        dq, acc = attend(dq, acc, kv)  # the last remote chunk: nothing further to fetch
+        dq, acc = attend(dq, acc, kv, _ahead(own, 1 - c, c))  # the last remote chunk: nothing further to fetch
     # Own chunk, tied to the last remote step's sums: its kernels need nothing that travels, and
     # XLA hoisted them to the start, leaving the last accumulator's transfer with nothing inside.
     home = lax.optimization_barrier((home, acc))[0]
-    return attend(dq, acc, home)  # its accumulator arrives complete
+    return attend(dq, acc, home, 0)  # its accumulator arrives complete
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -154,7 +165,7 @@ def _splash_ring(qx, qm, home, sinks, axis_name, step):
 
 
 def _splash_ring_fwd(qx, qm, home, sinks, axis_name, step):
-    o, lse = _loop(lambda carry, kv: sp.ring_forward_step(step, qx, qm, kv, carry), home, axis_name)
+    o, lse = _loop(lambda carry, kv, ahead: sp.ring_forward_step(step, qx, qm, kv, carry, ahead), home, axis_name)
     o, lse = bw.fold_sinks(o, lse, sinks, head_axis=1)  # once, after the last chunk ([B, H, Tp] lse)
     o = o.astype(qx.dtype)
     return o, (qx, qm, home, o, lse, sinks)
@@ -164,11 +175,11 @@ def _splash_ring_bwd(axis_name, step, res, do):
     qx, qm, home, o, lse, sinks = res
     c = lax.axis_size(axis_name)
 
-    def grads(kv, dq=None):
-        return sp.ring_backward_step(step, qx, qm, kv, o, lse, do, dq)
+    def grads(kv, ahead, dq=None):
+        return sp.ring_backward_step(step, qx, qm, kv, o, lse, do, dq, ahead)
 
     if c == 1:
-        dq, dk, dv = grads(home)
+        dq, dk, dv = grads(home, 0)
     else:
         dq, (dk, dv) = _backward_ring(grads, home, do, axis_name, c)
     k, v = home[0], home[1]
