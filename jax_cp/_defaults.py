@@ -58,8 +58,8 @@ SPLASH_RULES = {
     "v5e": {"ulysses": (AllGather(), 2, 1, "v5e (1,4,2) with splash 1.00 / 1.00, v5e:2x4 (1,4,2) 1.00 / 1.00"),
             "hybrid": (AllToAll(), 2, 0, "v5e (2,2,4) with splash 1.00 / 1.00")},
     "v5p": {"ulysses": (AllGather(), 2, 2, "v5p (1,4,4) with splash 1.00 / 1.00 at S = 8K and 32K"),
-            "hybrid": (Ring(), 2, 1, "v5p (4,4,4) with splash 1.00 / 0.96 (transfer time 1.00 / 0.96; "
-                                     "0.87 forward time with positions passed)")},
+            "hybrid": (Ring(), 2, 1, "v5p (4,4,4) with splash 1.00 / 1.00 in bytes and time (forward "
+                                     "time 0.87 with positions passed)")},
 }
 # Long sequences with splash: from this many tokens per device (S / (c u)) on, the entry replaces the
 # SPLASH_RULES one (the attention kernels outgrow the projections, and the schedule changes with them).
