@@ -261,7 +261,10 @@ def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, sinks_H, *, T, S, is_c
     qseg0 = jnp.zeros(Tp, jnp.int32) if qseg is None else qseg
     zeros = jnp.zeros(Tp, jnp.int32)
     hi, lo = _bounds(qpos, is_causal=is_causal, window=window)
-    q_lo = (zeros, qseg0 - 1, jnp.full(Tp, _IMAX, jnp.int32)) if lo is None else (zeros, qseg0, lo)
+    if lo is not None:  # the window's lower bound, within the query's segment
+        q_lo = (zeros, qseg0, lo)
+    else:  # keys of earlier segments; none without segment ids (padding keys sort last): nothing to count
+        q_lo = None if qseg is None else (zeros, qseg0 - 1, jnp.full(Tp, _IMAX, jnp.int32))
     infos, has_key = _row_info(kv_keys, (zeros, qseg0, hi), q_lo, T=T, window=window is not None)
     return _unchecked_call(static, infos, q_HTd, k_KSd, v_KSd, _segment_ids(qseg, qseg0, kseg_s), sinks_H), has_key
 

@@ -371,3 +371,15 @@ def test_natural_positions_refuse_what_they_cannot_state():
                             natural_positions=True, interpret=True)
     with pytest.raises(ValueError, match=r"natural=True states arange chunks .*\['window'\] given"):
         sp.ring_prepare(q, q, q, pos, None, scale=None, is_causal=True, interpret=True, window=(4, 0), natural=True)
+
+
+def test_splash_counts_only_the_bounds_a_mask_has():
+    """With positions passed (the sorted path), a causal call without segment ids or window sorts twice
+    (the keys, then the queries' upper bounds among them): no lower bound exists, so none is counted.
+    Segment ids add the count of keys in earlier documents."""
+    from jax_cp import _splash as sp
+
+    (q, k, v), _, meta = _inputs(1, 128, 128, 2, 2, 8, F32, order="shuffled")
+    sorts = lambda **m: str(jax.make_jaxpr(lambda q: sp.splash_attention(q, k, v, is_causal=True, interpret=True,
+                                                                         **meta, **m))(q)).count(" sort[")
+    assert sorts() == 2 and sorts(q_segment_ids=meta["q_positions"] // 50, kv_segment_ids=meta["kv_positions"] // 50) == 3
