@@ -102,19 +102,21 @@ def test_ring_under_remat_matches_reference(kernel):
     assert_matches(f, lambda q, k, v: reference.dot_product_attention(q, k, v, **kw), (q, k, v), ct, F32, kernel)
 
 
-def test_module_passes_ring_through():
+@pytest.mark.parametrize("kernel", ["auto", "splash"])
+def test_module_passes_ring_through(kernel):
     """``CPAttention(kv_exchange="ring")``, with Q, K and V of the first of two chunks in one
-    Ulysses all-to-all (``fused_qkv_chunks=1``), equals the all-gather module with the same weights."""
+    Ulysses all-to-all (``fused_qkv_chunks=1``), equals the all-gather module with the same weights
+    (``"splash"``: the ring's steps on the masks of the default positions, built when traced)."""
     mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
     x = jax.random.normal(jax.random.key(0), (2, 32, 16), F32)
 
-    def run(kv_exchange, fused):
+    def run(kv_exchange, fused, kernel="auto"):
         model = jax_cp.CPAttention(4, 16, num_kv_heads=2, head_dim=8, mesh=mesh, is_causal=True, overlap_chunks=2,
-                                   kv_exchange=kv_exchange, fused_qkv_chunks=fused, rngs=nnx.Rngs(0))
+                                   kv_exchange=kv_exchange, fused_qkv_chunks=fused, kernel=kernel, rngs=nnx.Rngs(0))
         loss = lambda m, x: (m(x) ** 2).sum()
         return nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))(model, x)
 
-    (l_ring, (gm_ring, gx_ring)), (l_ag, (gm_ag, gx_ag)) = run("ring", 1), run("all_gather", 0)
+    (l_ring, (gm_ring, gx_ring)), (l_ag, (gm_ag, gx_ag)) = run("ring", 1, kernel), run("all_gather", 0)
     assert_close(l_ring, l_ag, F32)
     assert_close(gx_ring, gx_ag, F32)
     for a, b in zip(jax.tree.leaves(gm_ring), jax.tree.leaves(gm_ag)):
