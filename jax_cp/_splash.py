@@ -139,27 +139,30 @@ def _row_info(kv_keys, q_hi, q_lo, *, T, window: bool = False):
     return _info_from_bounds(hi, lo, Sp=Sp, T=T, window=window)
 
 
-def _info_from_bounds(hi, lo, *, Sp: int, T: int, window: bool = False):
+def _info_from_bounds(hi, lo, *, Sp: int, T: int, window: bool = False, xp=jnp):
     """``_row_info`` from each query's bounds in the (sorted) keys: it sees ``lo_t <= s < hi_t``
-    (``lo`` None: from 0)."""
+    (``lo`` None: from 0). ``xp``: ``numpy`` for masks known when traced (no JAX op runs, so
+    nothing depends on the mesh context of the trace: a ``shard_map`` body under an Explicit mesh
+    refuses eager ops)."""
     Tp = hi.shape[0]
-    lo = jnp.zeros(Tp, jnp.int32) if lo is None else lo
-    qvalid = jnp.arange(Tp) < T
-    hi = jnp.where(qvalid, hi, 0)
+    lo = xp.zeros(Tp, xp.int32) if lo is None else lo
+    qvalid = xp.arange(Tp) < T
+    hi = xp.where(qvalid, hi, 0)
     has_key = hi > lo
 
     bq, bk = _block(Tp), _block(Sp)
     N, M = Tp // bq, Sp // bk
-    hi_max = jnp.where(qvalid, hi, 0).reshape(N, bq).max(1)[:, None]
-    lo_min = jnp.where(qvalid, lo, _IMAX).reshape(N, bq).min(1)[:, None]
-    starts = (jnp.arange(M, dtype=jnp.int32) * bk)[None]
+    hi_max = xp.where(qvalid, hi, 0).reshape(N, bq).max(1)[:, None]
+    lo_min = xp.where(qvalid, lo, _IMAX).reshape(N, bq).min(1)[:, None]
+    starts = (xp.arange(M, dtype=xp.int32) * bk)[None]
     live = (lo_min < starts + bk) & (hi_max > starts)
-    live = live.at[:, 0].set(live[:, 0] | ~live.any(1))  # every query block runs at least once (no 0/0)
-    block_mask = live.astype(jnp.int8)
-    j_next = jnp.where(live, starts // bk, 0).astype(jnp.int32)
-    i_next = jnp.where(live, jnp.arange(N, dtype=jnp.int32)[:, None], 0)
+    first = live[:, 0] | ~live.any(1)  # every query block runs at least once (no 0/0)
+    live = xp.concatenate([first[:, None], live[:, 1:]], axis=1)
+    block_mask = live.astype(xp.int8)
+    j_next = xp.where(live, starts // bk, 0).astype(xp.int32)
+    i_next = xp.where(live, xp.arange(N, dtype=xp.int32)[:, None], 0).astype(xp.int32)
     fwd, dq, dkv = _mask_info(block_mask, j_next), _mask_info(block_mask, j_next), _mask_info(block_mask, i_next)
-    bound = jnp.left_shift(hi, _BITS) | jnp.minimum(lo, hi) if window else hi
+    bound = xp.left_shift(hi, _BITS) | xp.minimum(lo, hi) if window else hi
     return tuple(m._replace(q_sequence=bound) for m in (fwd, dq, dkv)), has_key
 
 
@@ -177,10 +180,8 @@ def _natural_info(Tp: int, Sp: int, T: int, S: int, is_causal: bool, window, key
         visible = keys == "earlier" or not is_causal
         hi, lo = np.full(Tp, S - 1 if visible else -1, np.int64), None
     count = lambda b: np.clip(b.astype(np.int64) + 1, 0, S).astype(np.int32)  # keys at positions <= b
-    with jax.ensure_compile_time_eval():
-        infos, has_key = _info_from_bounds(jnp.asarray(count(hi)), None if lo is None else jnp.asarray(count(lo)),
-                                           Sp=Sp, T=T, window=window is not None)
-    return jax.tree.map(np.asarray, (infos, has_key))
+    return _info_from_bounds(count(hi), None if lo is None else count(lo), Sp=Sp, T=T, window=window is not None,
+                             xp=np)
 
 
 def _below_bound(q_ids, kv_ids):
@@ -448,12 +449,18 @@ def _ring_known(step: RingStep, qx, kv, ahead):
     the data (what ``_row_kernel_args`` takes as ``known``); else None."""
     if not step.natural:
         return None
+    if ahead is None:
+        raise ValueError("a ring step with natural positions needs ahead= (how many places before the queries' "
+                         "own chunk the ring holds this one), as the ring's loops pass it.")
     B, Tp, Sp = qx.shape[0], qx.shape[2], kv[0].shape[2]
     same, earlier, later = (_natural_info(Tp, Sp, step.T, step.T, step.is_causal, None, keys)
                             for keys in ("same", "earlier", "later"))
-    pick = lambda a, b, c: _vary_as(jnp.broadcast_to(jnp.where(ahead == 0, a, jnp.where(ahead > 0, b, c)),
-                                                     (B, *a.shape)), qx, kv[0])
-    return jax.tree.map(pick, same, earlier, later)
+    if step.is_causal:
+        pick = lambda a, b, c: jnp.where(ahead == 0, a, jnp.where(ahead > 0, b, c))
+    else:  # every chunk is wholly visible: one mask
+        pick = lambda a, b, c: jnp.asarray(a)
+    typed = lambda a, b, c: _vary_as(jnp.broadcast_to(pick(a, b, c), (B, *a.shape)), qx, kv[0])
+    return jax.tree.map(typed, same, earlier, later)
 
 
 def _row_kernel_args(step: RingStep, kv, qm, known=None):

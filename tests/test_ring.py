@@ -266,3 +266,21 @@ def test_default_positions_build_splash_masks_when_traced(exchange, cut, K, mask
     assert (exchange == "ring") == bool(re.search(r"i32\[[\d,]*\][^=\n]* = ppermute", stated))  # positions travel
     ref = lambda q, k, v: reference.dot_product_attention(q, k, v, **mask)
     assert_matches(f, ref, (q, k, v), ct, dtype, f"{exchange=} {cut=} {mask=}")
+
+
+@pytest.mark.parametrize("exchange,cut", [("all_gather", (1, 4, 1)), ("ring", (4, 1, 1))])
+def test_masks_known_when_traced_under_an_explicit_mesh(exchange, cut):
+    """Built with NumPy only: under ``jax.set_mesh`` of an Explicit mesh a ``shard_map`` body refuses
+    eager JAX ops, which building the masks with ``jnp`` under ``ensure_compile_time_eval`` ran (and
+    failed on, unless an Auto-mesh call had filled the cache first: cleared here)."""
+    from jax_cp import _splash
+
+    _splash._natural_info.cache_clear()
+    c, u, t = cut
+    mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, axis_types=jax.sharding.AxisType.Explicit)
+    q, k, v, _ = random_qkv(B, S, H, 4, d, F32, seed=3)
+    f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange=exchange, kernel="splash",
+                                                     is_causal=True)
+    with jax.set_mesh(mesh):
+        out = jax.jit(f)(q, k, v)
+    assert_close(out, reference.dot_product_attention(q, k, v, is_causal=True), F32, f"{exchange=} {cut=}")

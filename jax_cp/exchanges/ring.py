@@ -35,8 +35,8 @@ def _shift(tree, axis_name: str, c: int, step: int = 1):
 
 def _loop(attend, home, axis_name):
     """Runs ``carry = attend(carry, kv, ahead)`` over the ring's chunks, the chunk at home first;
-    ``ahead``: how many places before this device's own the chunk in hand sits (its owner is rank
-    ``i - ahead``; 0 at home, negative for later chunks)."""
+    ``ahead``: how many places before this device's own chunk the one in hand sits (its owner is
+    rank ``own - ahead``, ``own`` this device's rank; 0 at home, negative for later chunks)."""
     c = lax.axis_size(axis_name)
     own = lax.axis_index(axis_name)
 
