@@ -184,6 +184,12 @@ def _natural_info(Tp: int, Sp: int, T: int, S: int, is_causal: bool, window, key
                              xp=np)
 
 
+def _per_row(masks, B: int, *like):
+    """Mask arrays (``_natural_info``'s, or picked from them) broadcast to ``B`` batch rows and typed
+    to vary as the data ``like`` does, so that they are vmapped with it."""
+    return jax.tree.map(lambda a: _vary_as(jnp.broadcast_to(a, (B, *jnp.shape(a))), *like), masks)
+
+
 def _below_bound(q_ids, kv_ids):
     """In-kernel mask: the sorted key index is below the query's bound (``q_sequence = hi``)."""
     return kv_ids < q_ids
@@ -364,10 +370,7 @@ def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids
         return _one_row(q, k, v, qpos, kpos, qseg, kseg, sinks, T=T, S=S, is_causal=is_causal, window=window,
                         interpret=interpret, soft_cap=soft_cap, known=known)
 
-    known = None
-    if static_mask:  # the mask's constants, one per row and typed as the data (batched like it)
-        known = jax.tree.map(lambda a: _vary_as(jnp.broadcast_to(a, (B, *a.shape)), q, k, v),
-                             _natural_info(Tp, Sp, T, S, is_causal, window))
+    known = _per_row(_natural_info(Tp, Sp, T, S, is_causal, window), B, q, k, v) if static_mask else None
     o_BHTd, has_key_BT = jax.vmap(row)(q, k, v, qpos, kpos, qseg, kseg, known)
     o = jnp.swapaxes(o_BHTd, 1, 2)[:, :T]
     # Each call's rows-with-a-key mask is tied to its own output: the masks of a layer's head
@@ -415,32 +418,31 @@ def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, in
     scale = d**-0.5 if scale is None else scale
     qx = jnp.swapaxes(_pad_seq(q_BTHd * jnp.asarray(scale, q_BTHd.dtype), Tp), 1, 2)
     i32 = lambda a, n: None if a is None else _pad_seq(jnp.asarray(a, jnp.int32), n)
-    pos, seg = i32(pos_BT, Tp), i32(seg_BT, Tp)
     if natural:
         given = [name for name, a in (("seg_BT", seg_BT), ("kv_seg_BT", kv_seg_BT), ("kv_pos_BT", kv_pos_BT),
                                       ("window", window)) if a is not None]
         if given or S != T:
             raise ValueError(f"natural=True states arange chunks of self-attention, but {given or f'S={S} != T={T}'} "
                              "given; pass natural=False (masks are then built from the positions).")
-        static = _static(Tp, Sp, interpret, soft_cap, mqa=K == 1)
-        kx, vx = (jnp.swapaxes(_pad_seq(a, Sp), 1, 2) for a in (k_BTKd, v_BTKd))
-        return qx, (pos, None), (kx, vx, None, None), RingStep(T, bool(is_causal), False, static, None, True)
-    kpos = pos if kv_pos_BT is None else i32(kv_pos_BT, Sp)
-    kseg_src = seg if kv_seg_BT is None else i32(kv_seg_BT, Sp)
-    idx = jnp.broadcast_to(jnp.arange(Sp, dtype=jnp.int32), kpos.shape)
-    if kseg_src is None and Sp == S:
-        pos_s, perm = lax.sort((kpos, idx), num_keys=1)
-        keys = (pos_s, None)
+    pos, seg = i32(pos_BT, Tp), i32(seg_BT, Tp)
+    kx, vx = (jnp.swapaxes(_pad_seq(a, Sp), 1, 2) for a in (k_BTKd, v_BTKd))
+    if natural:  # in order already, and no positions travel
+        keys = (None, None)
     else:
-        seg0 = jnp.zeros_like(kpos) if kseg_src is None else kseg_src
-        kseg = jnp.where((jnp.arange(Sp) >= S)[None] | (seg0 < 0), _IMAX, seg0)
-        kseg_s, pos_s, perm = lax.sort((kseg, kpos, idx), num_keys=2)
-        keys = (pos_s, kseg_s)
-    kx, vx = (jnp.take_along_axis(jnp.swapaxes(_pad_seq(a, Sp), 1, 2), perm[:, None, :, None], axis=2)
-              for a in (k_BTKd, v_BTKd))
-    qm = (pos, seg)
+        kpos = pos if kv_pos_BT is None else i32(kv_pos_BT, Sp)
+        kseg_src = seg if kv_seg_BT is None else i32(kv_seg_BT, Sp)
+        idx = jnp.broadcast_to(jnp.arange(Sp, dtype=jnp.int32), kpos.shape)
+        if kseg_src is None and Sp == S:
+            pos_s, perm = lax.sort((kpos, idx), num_keys=1)
+            keys = (pos_s, None)
+        else:
+            seg0 = jnp.zeros_like(kpos) if kseg_src is None else kseg_src
+            kseg = jnp.where((jnp.arange(Sp) >= S)[None] | (seg0 < 0), _IMAX, seg0)
+            kseg_s, pos_s, perm = lax.sort((kseg, kpos, idx), num_keys=2)
+            keys = (pos_s, kseg_s)
+        kx, vx = (jnp.take_along_axis(a, perm[:, None, :, None], axis=2) for a in (kx, vx))
     static = _static(Tp, Sp, interpret, soft_cap, window=window is not None, mqa=K == 1)
-    return qx, qm, (kx, vx, *keys), RingStep(T, bool(is_causal), seg is not None, static, window)
+    return qx, (pos, seg), (kx, vx, *keys), RingStep(T, bool(is_causal), seg is not None, static, window, natural)
 
 
 def _ring_known(step: RingStep, qx, kv, ahead):
@@ -452,15 +454,13 @@ def _ring_known(step: RingStep, qx, kv, ahead):
     if ahead is None:
         raise ValueError("a ring step with natural positions needs ahead= (how many places before the queries' "
                          "own chunk the ring holds this one), as the ring's loops pass it.")
-    B, Tp, Sp = qx.shape[0], qx.shape[2], kv[0].shape[2]
-    same, earlier, later = (_natural_info(Tp, Sp, step.T, step.T, step.is_causal, None, keys)
-                            for keys in ("same", "earlier", "later"))
-    if step.is_causal:
-        pick = lambda a, b, c: jnp.where(ahead == 0, a, jnp.where(ahead > 0, b, c))
-    else:  # every chunk is wholly visible: one mask
-        pick = lambda a, b, c: jnp.asarray(a)
-    typed = lambda a, b, c: _vary_as(jnp.broadcast_to(pick(a, b, c), (B, *a.shape)), qx, kv[0])
-    return jax.tree.map(typed, same, earlier, later)
+    Tp, Sp = qx.shape[2], kv[0].shape[2]
+    masks = lambda keys: _natural_info(Tp, Sp, step.T, step.T, step.is_causal, None, keys)
+    known = masks("same")
+    if step.is_causal:  # (not causal: every chunk is wholly visible, one mask)
+        known = jax.tree.map(lambda a, b, c: jnp.where(ahead == 0, a, jnp.where(ahead > 0, b, c)),
+                             known, masks("earlier"), masks("later"))
+    return _per_row(known, qx.shape[0], qx, kv[0])
 
 
 def _row_kernel_args(step: RingStep, kv, qm, known=None):
