@@ -1,8 +1,10 @@
 """Inference: CP prefill into a KV cache sharded along the sequence, and decode steps that read it.
 
 The cache of one layer (``init_cache``): ``cached_key [B, L, Kc, d]``, ``cached_value [B, L, Kc, dv]``,
-``cached_positions [B, L]`` (each slot's token position; ``EMPTY`` where none), ``cache_index [B]``
-(each sequence's next position: its length so far) and ``cache_slots []`` (slots written). K/V and
+``cached_positions [B, L]`` (each slot's token position; ``EMPTY`` where none, and for prompt tokens that
+decode must not see: padding and the documents of a packed prompt before its last), ``cache_index [B]``
+(each sequence's next position), ``cache_slots []`` (slots written) and ``cache_window []`` (the
+prefill's left window, ``NO_WINDOW`` for none: decode steps use it, so they cannot differ). K/V and
 positions are sharded ``P(dp, (cp_colossal, cp_ulysses), tp)``: a device holds ``L / (c*u)`` slots
 of its tp rank's ``Kc / t`` kv heads (``Kc = lcm(num_kv_heads, tp)``: the kv heads, repeated only
 when tp exceeds them, so a rank holds the heads its query heads read).
@@ -30,23 +32,25 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_cp import kernels as _kernels
 from jax_cp._blockwise import fold_sinks
-from jax_cp._body import attention_shard, shard_call, shard_meta
+from jax_cp._body import attention_shard, check_metadata, shard_call, shard_meta
 from jax_cp._layer import compute_specs, layer_call
-from jax_cp._masks import visible
+from jax_cp._masks import normalize_window, visible
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place, seq_chunk
 from jax_cp._projection import LinearProjections, _local_kv, _per_token, _proj
 from jax_cp._spec import Layout, lcm
 
-__all__ = ["CACHE_FIELDS", "EMPTY", "CacheLayout", "cache_layout", "check_inference", "decode_step", "infer",
-           "init_cache", "prefill_prompt"]
+__all__ = ["CACHE_FIELDS", "EMPTY", "NO_WINDOW", "CacheLayout", "cache_layout", "check_inference", "decode_positions",
+           "decode_step", "infer", "init_cache", "prefill_prompt"]
 
 EMPTY = 2**30  # the position of an empty slot: after every query, so causality hides it
-CACHE_FIELDS = ("cached_key", "cached_value", "cached_positions", "cache_index", "cache_slots")
+NO_WINDOW = -1  # cache_window when the prefill had no window
+CACHE_FIELDS = ("cached_key", "cached_value", "cached_positions", "cache_index", "cache_slots", "cache_window")
 X_DECODE = P(DP, None, None)  # a decode step's [B, T, D]: replicated over the CP axes and tp
 
 
@@ -62,14 +66,14 @@ class CacheLayout:
     def specs(self) -> dict[str, P]:
         kv = P(DP, CP, TP, None)
         return {"cached_key": kv, "cached_value": kv, "cached_positions": P(DP, CP), "cache_index": P(DP),
-                "cache_slots": P()}
+                "cache_slots": P(), "cache_window": P()}
 
-    def write_prefill(self, kv_seen, pos_BS, ck, cv, cpos, lengths_B):
+    def write_prefill(self, kv_seen, cache_pos_BS, ck, cv, cpos):
         """Inside ``shard_map``: this device's prompt K/V (seq layout, expanded heads, per chunk) into its
-        first slots; positions at or past a sequence's length are padding and stored ``EMPTY``."""
+        first slots, at ``cache_pos_BS`` (the whole prompt's, replicated over CP; ``EMPTY`` where decode
+        must not see a token: ``decode_positions``)."""
         k, v = (jnp.concatenate([kv[j] for kv in kv_seen], axis=2)[:, :, ::self.step] for j in (0, 1))
-        pos = seq_chunk(pos_BS, CP)
-        pos = jnp.where(pos < lengths_B[:, None], pos, EMPTY)
+        pos = seq_chunk(cache_pos_BS, CP)
         put = lambda buf, new: lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), 0, axis=1)
         return put(ck, k), put(cv, v), put(jnp.full_like(cpos, EMPTY), pos)
 
@@ -97,7 +101,8 @@ def init_cache(spec, mesh, batch: int, max_length: int, dtype) -> dict[str, jax.
     shapes = {"cached_key": ((batch, max_length, cl.heads, spec.head_dim), dtype, 0),
               "cached_value": ((batch, max_length, cl.heads, spec.v_head_dim), dtype, 0),
               "cached_positions": ((batch, max_length), jnp.int32, EMPTY),
-              "cache_index": ((batch,), jnp.int32, 0), "cache_slots": ((), jnp.int32, 0)}
+              "cache_index": ((batch,), jnp.int32, 0), "cache_slots": ((), jnp.int32, 0),
+              "cache_window": ((), jnp.int32, NO_WINDOW)}
     return {name: jax.jit(partial(jnp.full, shape, fill, dtype), out_shardings=NamedSharding(mesh, specs[name]))()
             for name, (shape, dtype, fill) in shapes.items()}
 
@@ -137,38 +142,68 @@ def _prefill_shard(params, x_BSD, *args, spec, layout, dtype, fields, cache: Cac
     meta = shard_meta(fields, args[:len(fields)])
     projections = _RecordingProjections(params, x_BSD, meta.pos, spec=spec, layout=layout, dtype=dtype)
     y = attention_shard(projections, meta, spec=spec)
-    return y, cache.write_prefill(projections.kv_seen, meta.pos, *args[len(fields):])
+    return y, cache.write_prefill(projections.kv_seen, *args[len(fields):])
 
 
-def prefill_prompt(params: dict, x_BSD, cache: dict, *, mesh, spec, dtype=None, positions=None, lengths=None,
-            local_window_size=None):
-    """Runs the prompt ``x [B, S, D]`` through the layer (``_layer.layer_call``: any exchange, kernel and
-    positions) and writes its K/V, positions and lengths into ``cache`` (from slot 0: a prefill starts
-    the cache afresh). Returns ``(y, cache)``."""
+def decode_positions(pos_BS, segment_ids_BS=None, lengths_B=None):
+    """What decode keeps of a prompt: ``(cache_pos [B, S], next_B [B])``.
+
+    Decode continues each row's last document: the real tokens (position below ``lengths``, segment id
+    >= 0) of the row's largest segment id (packing numbers documents in order; without segment ids
+    the whole row is one document). Every other prompt token is stored at ``EMPTY`` (never seen by a
+    decode step); ``next_B`` is one past the largest position kept, the first decode token's position.
+    """
+    keep = jnp.ones(pos_BS.shape, bool) if lengths_B is None else pos_BS < lengths_B[:, None]
+    if segment_ids_BS is not None:
+        seg = jnp.where(keep, segment_ids_BS, -1)
+        keep = (seg >= 0) & (seg == seg.max(axis=1, keepdims=True))
+    return jnp.where(keep, pos_BS, EMPTY), jnp.where(keep, pos_BS, -1).max(axis=1).astype(jnp.int32) + 1
+
+
+def prefill_prompt(params: dict, x_BSD, cache: dict, *, mesh, spec, dtype=None, positions=None, segment_ids=None,
+                   lengths=None, local_window_size=None):
+    """Runs the prompt ``x [B, S, D]`` through the layer (``_layer.layer_call``: any exchange, kernel,
+    positions and segment ids) and writes what decode needs into ``cache`` (from slot 0: a prefill
+    starts the cache afresh): the K/V and positions of each row's last document
+    (``decode_positions``), its next position, and the window. Returns ``(y, cache)``."""
     L = check_cache(cache, spec, getattr(x_BSD, "shape", (None,))[0])  # before the layer's own checks
     call = layer_call(params, x_BSD, mesh=mesh, spec=spec, dtype=dtype, positions=positions,
-                      local_window_size=local_window_size)
+                      segment_ids=segment_ids, local_window_size=local_window_size)
     B, S = call.batch, call.seq_len
     if S > L:
         raise ValueError(f"the prompt's seq_len={S} is longer than the cache's max_length={L}; init_cache with "
                          f"max_length >= {S} (plus the tokens to decode).")
     lengths = _check_lengths(lengths, B, S)
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)) if positions is None else \
+        check_metadata("positions", positions, B, S)
+    cache_pos, next_B = decode_positions(pos, check_metadata("segment_ids", segment_ids, B, S), lengths)
+    if not isinstance(next_B, jax.core.Tracer) and int(next_B.min()) < 1:
+        rows = np.flatnonzero(np.asarray(next_B) < 1).tolist()
+        raise ValueError(f"prompt rows {rows} have no real token (every segment id is negative or every position "
+                         f"is at or past its length): each row needs one to decode from; check segment_ids/lengths.")
     cl = cache_layout(call.spec, mesh)
     specs = cl.specs()
     names = ("cached_key", "cached_value", "cached_positions")
-    args = call.args + [place(cache[n], mesh, specs[n]) for n in names] + [place(lengths, mesh, P(DP))]
-    in_specs = tuple(call.in_specs) + tuple(specs[n] for n in names) + (P(DP),)
+    args = call.args + [place(cache_pos, mesh, P(DP, None))] + [place(cache[n], mesh, specs[n]) for n in names]
+    in_specs = tuple(call.in_specs) + (P(DP, None),) + tuple(specs[n] for n in names)
     fn = partial(_prefill_shard, **call.kwargs, cache=cl)
     y, written = shard_call(fn, mesh, in_specs, (call.out_specs, tuple(specs[n] for n in names)), args)
     new = dict(zip(names, written))
-    new["cache_index"] = place(lengths, mesh, specs["cache_index"])
+    new["cache_index"] = place(next_B, mesh, specs["cache_index"])
     new["cache_slots"] = jnp.asarray(S, jnp.int32)
+    new["cache_window"] = jnp.asarray(_left_window(call.spec.local_window_size), jnp.int32)
     return y, new
+
+
+def _left_window(local_window_size) -> int:
+    """The part of a window a causal decode step uses (its keys all come before it)."""
+    window = normalize_window(local_window_size)
+    return NO_WINDOW if window is None else window[0]
 
 
 def _check_lengths(lengths, batch: int, seq_len: int):
     if lengths is None:
-        return jnp.full((batch,), seq_len, jnp.int32)
+        return None
     lengths = jnp.asarray(lengths)
     if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"lengths (shape={lengths.shape}, dtype={lengths.dtype}) must be integers of shape "
@@ -198,9 +233,11 @@ def _new_tokens(params, x_BTD, pos_BT, spec, cl: CacheLayout, dims, dtype):
     return q, k, _proj(x, local("v_kernel", 1), local("v_bias", 0), dtype)
 
 
-def attend_cache(q_BTHd, k_BSKd, v_BSKd, q_pos_BT, k_pos_BS, spec, form: str | None = None):
+def attend_cache(q_BTHd, k_BSKd, v_BSKd, q_pos_BT, k_pos_BS, spec, form: str | None = None, window_left=None):
     """``(o [B, T, H, dv], lse [B, T, H])`` float32 of the queries over one cache shard (causal, window,
     soft cap, empty slots hidden). Dense: ``T`` rows, so the scores are small next to the cache.
+    ``window_left`` (an int32 scalar, may be traced: the cache's ``cache_window``; negative for none)
+    hides keys more than that many positions before the query, besides ``spec``'s window.
 
     Both contractions read K and V where they lie, never a copy: ``form="dot"`` (TPU, GPU: the
     compiler feeds the matmul from the cache's own layout; the TPU schedule's temporaries stay below
@@ -220,6 +257,8 @@ def attend_cache(q_BTHd, k_BSKd, v_BSKd, q_pos_BT, k_pos_BS, spec, form: str | N
     if spec.logits_soft_cap is not None:
         s = spec.logits_soft_cap * jnp.tanh(s / spec.logits_soft_cap)
     mask = visible(q_pos_BT, k_pos_BS, is_causal=True, window=spec.local_window_size)  # [B, T, S]
+    if window_left is not None:
+        mask &= (window_left < 0) | (k_pos_BS[:, None, :] >= q_pos_BT[:, :, None] - window_left)
     mask = jnp.moveaxis(mask, 1, 2)[:, :, None, None, :]
     s = jnp.where(mask, s, -jnp.inf)
     m = s.max(1, keepdims=True)
@@ -255,8 +294,11 @@ def _cp_rank():
     return idx
 
 
-def _decode_shard(params, x_BTD, ck, cv, cpos, index_B, slots, *, spec, dims, dtype, cl: CacheLayout):
+def _decode_shard(params, x_BTD, ck, cv, cpos, index_B, slots, window, *, spec, dims, dtype, cl: CacheLayout,
+                  checks: tuple = ()):
     T, n = x_BTD.shape[1], dims.cp
+    for message, failed in checks:  # on every device, before any collective: all stop together, none waits
+        jax.debug.callback(partial(_raise_if, message=message), failed(slots, window))
     pos_BT = index_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     q, k, v = _new_tokens(params, x_BTD, pos_BT, spec, cl, dims, dtype)
     rank = _cp_rank()
@@ -267,65 +309,94 @@ def _decode_shard(params, x_BTD, ck, cv, cpos, index_B, slots, *, spec, dims, dt
         cpos = _put(cpos, pos_BT[:, t:t + 1], local, mine)
     # The attention reads the written buffers, never a fused re-run of the write (XLA would copy the cache).
     ck, cv, cpos = (lax.optimization_barrier(a) for a in (ck, cv, cpos))
-    o, lse = attend_cache(q, ck, cv, pos_BT, cpos, spec)
+    o, lse = attend_cache(q, ck, cv, pos_BT, cpos, spec, window_left=window)
     o, lse = merge_partials(o, lse, CP)
     o, _ = fold_sinks(o, lse, params.get("sinks"))
     y = lax.psum(jnp.einsum("bthe,hed->btd", o.astype(dtype), params["o_kernel"].astype(dtype)), TP)
     if "o_bias" in params:
         y = y + params["o_bias"][None, None]
-    y = jnp.where(slots + T > cpos.shape[1] * n, jnp.nan, y)  # past max_length (traced: no error to raise)
+    y = jnp.where(slots + T > cpos.shape[1] * n, jnp.nan, y)  # past max_length: never a plausible output
     return y.astype(dtype), (ck, cv, cpos)
 
 
-def decode_step(params: dict, x_BTD, cache: dict, *, mesh, spec, dtype):
+def _raise_if(failed, message: str) -> None:
+    """A ``jax.debug.callback`` target: raises ``ValueError(message)`` at run time when ``failed``, so a
+    jitted decode step that must not run fails (a ``JaxRuntimeError`` naming the ValueError) instead
+    of returning a silent result. The message's ``{}`` receives the failing value."""
+    if bool(np.any(failed)):
+        raise ValueError(message)
+
+
+def decode_step(params: dict, x_BTD, cache: dict, *, mesh, spec, dtype, local_window_size=None):
     """One decode step of ``T`` new tokens per sequence ``x [B, T, D]`` at positions ``cache_index[b] + t``.
 
     Returns ``(y [B, T, out_features], cache)`` with the new tokens' K/V written and ``cache_index``
-    advanced by ``T``. ``ValueError`` when the input is not ``[B, T, D]``, the cache is missing, of
-    another batch, or (known values) full; under ``jit`` a step past ``max_length`` returns NaN outputs.
+    advanced by ``T``. The window is the prefill's (``cache_window``); ``local_window_size``, if given,
+    must equal it. ``ValueError`` when the input is not ``[B, T, D]``, the cache is missing, of another
+    batch, full, or the window differs; under ``jit`` (a traced cache) the last two are checked when
+    the step runs and fail it (``jax.debug.callback``: a ``JaxRuntimeError`` carrying the ValueError),
+    and the outputs of a step past ``max_length`` are NaN besides.
     """
     if getattr(x_BTD, "ndim", None) != 3 or x_BTD.shape[-1] != spec.in_features:
         raise ValueError(f"a decode step's input has shape={getattr(x_BTD, 'shape', None)}; it must be (batch, "
                          f"new_tokens, in_features={spec.in_features}).")
     B, T = x_BTD.shape[:2]
     L = check_cache(cache, spec, B)
-    slots = cache["cache_slots"]
-    if not isinstance(slots, jax.core.Tracer) and int(slots) + T > L:
-        raise ValueError(f"decoding {T} more token(s) past the {int(slots)} in the cache would exceed its "
-                         f"max_length={L}; init_cache with a larger max_length.")
+    slots, window = cache["cache_slots"], cache["cache_window"]
+    overflow = (f"decoding {T} more token(s) would overfill the cache: exceed its max_length={L}; init_cache with a "
+                "larger max_length.")
+    checks = []  # what only the running step can know (a traced cache: under jit)
+    if isinstance(slots, jax.core.Tracer):
+        checks.append((overflow, lambda slots, window: slots + T > L))
+    elif int(slots) + T > L:
+        raise ValueError(f"{overflow[:-1]} ({int(slots)} slots written).")
+    if local_window_size is not None:
+        wanted = _left_window(local_window_size)
+        differs = lambda used: (f"local_window_size={local_window_size!r} differs from the window the prefill "
+                                f"used{used}; decode steps attend with the prefill's window (cache_window): pass "
+                                "the same, or none.")
+        if isinstance(window, jax.core.Tracer):
+            checks.append((differs(""), lambda slots, window: window != wanted))
+        elif int(window) != wanted:
+            raise ValueError(differs(f" ({None if int(window) == NO_WINDOW else int(window)})"))
     cl, dims, param_specs = cache_layout(spec, mesh), mesh_dims(mesh), compute_specs(spec, mesh)
-    specs, names = cl.specs(), ("cached_key", "cached_value", "cached_positions", "cache_index", "cache_slots")
+    specs = cl.specs()
+    names = CACHE_FIELDS
     params = {k: place(params[k], mesh, param_specs[k]) for k in param_specs}
     args = [params, place(x_BTD, mesh, X_DECODE)] + [place(cache[n], mesh, specs[n]) for n in names]
     in_specs = (param_specs, X_DECODE) + tuple(specs[n] for n in names)
-    fn = partial(_decode_shard, spec=spec, dims=dims, dtype=jnp.dtype(dtype), cl=cl)
+    fn = partial(_decode_shard, spec=spec.replace(local_window_size=None), dims=dims, dtype=jnp.dtype(dtype), cl=cl,
+                 checks=tuple(checks))
     y, written = shard_call(fn, mesh, in_specs, (X_DECODE, tuple(specs[n] for n in names[:3])), args)
     new = dict(zip(names[:3], written))
     new["cache_index"] = cache["cache_index"] + T
     new["cache_slots"] = slots + T
+    new["cache_window"] = window
     return y, new
 
 
-def check_inference(spec, kv_x: tuple, prefill: bool):
-    """What prefill and decode serve: causal self-attention (the cache holds the layer's own tokens)."""
+def check_inference(spec, kv_x: tuple, prefill: bool, *, kv_positions=None, kv_segment_ids=None, segment_ids=None):
+    """What prefill and decode serve: self-attention (the cache holds the layer's own tokens); every
+    argument they cannot honour is refused, never ignored."""
     mode = "prefill=True" if prefill else "decode=True"
-    if kv_x:
+    if kv_x or kv_positions is not None or kv_segment_ids is not None:
         raise ValueError(f"{mode} caches the layer's own keys (self-attention); cross attention (inputs_k/inputs_v/"
-                         "inputs_kv) has no decode path: run it without decode.")
-    if not spec.is_causal:
-        raise ValueError(f"{mode} needs is_causal=True (autoregressive decoding); this layer has is_causal=False.")
+                         "inputs_kv, kv_positions, kv_segment_ids) has no decode path: run it without decode.")
+    if not prefill and segment_ids is not None:
+        raise ValueError("decode=True continues each row's last document of the prompt (the prefill's largest "
+                         "segment id): pass segment_ids to the prefill call (prefill=True) only.")
     if spec.record_max_logits:
         raise ValueError(f"{mode} does not record max logits (a training statistic); build the inference model "
                          "with record_max_logits=False.")
 
 
-def infer(params, x, cache, *, mesh, spec, dtype, prefill, positions, lengths, local_window_size):
+def infer(params, x, cache, *, mesh, spec, dtype, prefill, positions, lengths, local_window_size, segment_ids=None):
     """``prefill_prompt`` or one ``decode_step``: the inference call of the NNX and Linen modules."""
     if prefill:
         return prefill_prompt(params, x, cache, mesh=mesh, spec=spec, dtype=dtype, positions=positions,
-                              lengths=lengths, local_window_size=local_window_size)
+                              segment_ids=segment_ids, lengths=lengths, local_window_size=local_window_size)
     if positions is not None or lengths is not None:
         raise ValueError("decode steps take their positions from the cache (cache_index); pass positions/lengths "
                          "to the prefill call (prefill=True) only.")
-    return decode_step(params, x, cache, mesh=mesh, spec=spec.replace(local_window_size=local_window_size),
-                       dtype=dtype or getattr(x, "dtype", jnp.float32))
+    return decode_step(params, x, cache, mesh=mesh, spec=spec, dtype=dtype or getattr(x, "dtype", jnp.float32),
+                       local_window_size=local_window_size)

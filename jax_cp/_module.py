@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_cp import _decode
+from jax_cp._checks import refuse_dense
 from jax_cp._defaults import AUTO, Choice
 from jax_cp._layer import (AttentionSharding, gather_stored, init_param, kv_inputs, layer_forward, param_shapes,
                             storage_specs)
@@ -93,8 +94,9 @@ class CPAttention(nnx.Module):
         """Creates the KV cache for ``decode=True`` calls, already sharded (``jax_cp._decode``): ``input_shape``
         is ``(batch_size, max_length)`` or flax's ``(batch_size, max_length, in_features)``; ``dtype``
         defaults to the layer's (float32 when None). Variables (``nnx.Cache``): ``cached_key [B, L, Kc, d]``,
-        ``cached_value``, ``cached_positions [B, L]``, ``cache_index [B]`` (each sequence's length so far)
-        and ``cache_slots`` (slots written), split over the CP axes along L and over tp by kv heads."""
+        ``cached_value``, ``cached_positions [B, L]``, ``cache_index [B]`` (each sequence's next position),
+        ``cache_slots`` (slots written) and ``cache_window`` (the prefill's left window; -1: none), split
+        over the CP axes along L and over tp by kv heads."""
         batch, max_length = tuple(input_shape)[:2]
         dtype = jnp.dtype(dtype or self.dtype or jnp.float32)
         specs = _decode.cache_layout(self.spec, self.mesh).specs()
@@ -103,7 +105,7 @@ class CPAttention(nnx.Module):
 
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, positions=None, segment_ids=None,
                  kv_positions=None, kv_segment_ids=None, local_window_size=None, decode: bool | None = None,
-                 prefill: bool = False, lengths=None):
+                 prefill: bool = False, lengths=None, mask=None):
         """Self-attention over ``inputs_q [B, S, D]``, or cross attention (flax's arguments): keys from
         ``inputs_k`` and values from ``inputs_v`` (``[B, S_kv, D]``; each defaults to the one before;
         ``inputs_kv`` gives one input for both), at ``kv_positions`` with ``kv_segment_ids``.
@@ -112,17 +114,24 @@ class CPAttention(nnx.Module):
         training inputs, at ``positions``; ``lengths [B]``: real tokens per prompt, the rest padding)
         and writes its K/V into the cache; ``decode=True`` (or the module's ``decode``) attends
         ``T`` new tokens per sequence ``[B, T, D]`` to the cache at positions ``cache_index + t``.
+        A packed prompt's ``segment_ids`` (negative: padding) mask the prompt as in training; decode
+        then continues each row's last document (its largest segment id) with the prefill's window.
+        Decoding is causal whatever ``is_causal`` (as flax's). ``mask`` (flax's dense mask) is refused
+        with the data-driven arguments to use instead.
         """
+        refuse_dense(mask=mask)
         params = {name: getattr(self, name)[...] for name in param_shapes(self.spec)}
         params = gather_stored(params, {n: getattr(self, n).get_metadata().get("out_sharding") for n in params},
                                self.spec, self.mesh)
         decode = self.decode if decode is None else decode
         if prefill or decode:
-            _decode.check_inference(self.spec, kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), prefill)
+            _decode.check_inference(self.spec, kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), prefill,
+                                    kv_positions=kv_positions, kv_segment_ids=kv_segment_ids, segment_ids=segment_ids)
             cache = {name: getattr(self, name, None) for name in _decode.CACHE_FIELDS}
             y, cache = _decode.infer(params, inputs_q, {k: None if v is None else v[...] for k, v in cache.items()},
                                      mesh=self.mesh, spec=self.spec, dtype=self.dtype, prefill=prefill,
-                                     positions=positions, lengths=lengths, local_window_size=local_window_size)
+                                     positions=positions, lengths=lengths, local_window_size=local_window_size,
+                                     segment_ids=segment_ids)
             for name, value in cache.items():
                 getattr(self, name)[...] = value
             return y

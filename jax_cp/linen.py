@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp import _decode
+from jax_cp._checks import refuse_dense
 from jax_cp._defaults import AUTO
 from jax_cp._layer import (AttentionSharding, gather_stored, init_param, kv_inputs, layer_forward, param_shapes,
                             storage_specs)
@@ -73,7 +74,8 @@ class CPAttention(nn.Module):
     @nn.compact
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, positions=None, segment_ids=None,
                  kv_positions=None, kv_segment_ids=None, local_window_size=None, decode: bool | None = None,
-                 prefill: bool = False, lengths=None):
+                 prefill: bool = False, lengths=None, mask=None):
+        refuse_dense(mask=mask)
         spec = self.spec
         specs = storage_specs(spec, self.mesh, self.sharding)
         params = {}
@@ -84,11 +86,12 @@ class CPAttention(nn.Module):
         params = gather_stored(params, specs, spec, self.mesh)
         decode = self.decode if decode is None else decode
         if (prefill or decode) and self.has_variable("cache", "cached_key"):
-            _decode.check_inference(spec, kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), prefill)
+            _decode.check_inference(spec, kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), prefill,
+                                    kv_positions=kv_positions, kv_segment_ids=kv_segment_ids, segment_ids=segment_ids)
             cache = {name: self.get_variable("cache", name) for name in _decode.CACHE_FIELDS}
             y, cache = _decode.infer(params, inputs_q, cache, mesh=self.mesh, spec=spec, dtype=self.dtype,
                                      prefill=prefill, positions=positions, lengths=lengths,
-                                     local_window_size=local_window_size)
+                                     local_window_size=local_window_size, segment_ids=segment_ids)
             for name, value in cache.items():
                 self.put_variable("cache", name, value)
             return y

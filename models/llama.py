@@ -209,10 +209,7 @@ class Block(nnx.Module):
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, infer: dict | None = None, sharding=None):
         """``infer``: the attention's ``prefill``/``decode``/``lengths`` (inference), else training."""
-        if infer:
-            a = self.attn(self.attn_norm(x_BSD), positions=positions_BS, **infer)
-        else:
-            a = self.attn(self.attn_norm(x_BSD), positions=positions_BS, segment_ids=segment_ids_BS)
+        a = self.attn(self.attn_norm(x_BSD), positions=positions_BS, segment_ids=segment_ids_BS, **(infer or {}))
         x_BSD = x_BSD + a.astype(x_BSD.dtype)
         return x_BSD + self.mlp(self.mlp_norm(x_BSD), sharding).astype(x_BSD.dtype)
 
@@ -227,8 +224,10 @@ class Llama(nnx.Module):
     every layer's ``jax_cp.CPAttention`` (``jax_cp.plan`` compares them for a pod).
 
     Inference: ``init_cache(batch_size, max_length)``, then ``model(prompt, prefill=True, lengths=...)``
-    (sequence-sharded like training, each layer writing its KV cache) and ``model(tokens [B, T],
-    decode=True)`` for the next tokens (replicated over the CP axes); ``models.generate`` samples.
+    (sequence-sharded like training, each layer writing its KV cache; a packed prompt's
+    ``segment_ids``/``positions`` as in training, decode continuing each row's last document) and
+    ``model(tokens [B, T], decode=True)`` for the next tokens (replicated over the CP axes);
+    ``models.generate`` samples.
     """
 
     def __init__(self, cfg: LlamaConfig, *, mesh, dtype=jnp.bfloat16, fsdp: bool = False,

@@ -35,16 +35,18 @@ def _layer(c, u, t, *, H=8, K=2, seed=0, **kw):
     return m
 
 
-def _decode_vs_full(m, *, S, L, steps, T=1, lengths=None, window=None, batch=2):
+def _decode_vs_full(m, *, S, L, steps, T=1, lengths=None, window=None, batch=2, decode_window="same"):
     """Prefill ``S`` tokens (``lengths`` real per sequence), decode ``steps`` x ``T``; returns the largest
-    difference to one training-path pass over each sequence's real tokens followed by its new ones."""
+    difference to one training-path pass over each sequence's real tokens followed by its new ones.
+    ``decode_window``: what the decode steps pass as ``local_window_size`` (``"same"``: ``window``)."""
     n = jax_cp.mesh_dims(m.mesh).cp
     x = jax.random.normal(jax.random.key(1), (batch, L, D))
     m.init_cache((batch, L))
     lens = np.full(batch, S) if lengths is None else np.asarray(lengths)
     y0 = m(x[:, :S], prefill=True, lengths=None if lengths is None else jnp.asarray(lens),
            local_window_size=window)
-    ys = [m(x[:, S + i * T:S + (i + 1) * T], decode=True, local_window_size=window) for i in range(steps)]
+    decode_window = window if decode_window == "same" else decode_window
+    ys = [m(x[:, S + i * T:S + (i + 1) * T], decode=True, local_window_size=decode_window) for i in range(steps)]
     assert [int(i) for i in m.cache_index[...]] == [int(v) + steps * T for v in lens]
     err = 0.0
     for b in range(batch):
@@ -147,19 +149,114 @@ def test_nnx_view_switches_a_model_to_decode():
         nnx.view(_layer(2, 2, 2), decode=True)
 
 
-def test_non_causal_layer_refuses_decode():
-    mesh = jax_cp.make_mesh(cp_ulysses=2)
-    m = jax_cp.CPAttention(4, D, mesh=mesh, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="decode=True needs is_causal=True"):
-        m(jnp.ones((4, 1, D)), decode=True)
+def test_non_causal_layer_decodes_causally_as_flax():
+    # flax decodes with a non-causal module (decode is causal by construction): the prefill is the
+    # layer's own (bidirectional) forward; each decode token sees the prompt and the tokens before it,
+    # which is what the causal layer with the same weights gives at that position.
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    m, causal = (jax_cp.CPAttention(8, D, num_kv_heads=2, mesh=mesh, is_causal=c, rope_theta=1e4, rngs=nnx.Rngs(0))
+                 for c in (False, True))
+    x = jax.random.normal(jax.random.key(4), (2, 24, D))
+    m.init_cache((2, 24))
+    y0 = m(x[:, :16], prefill=True)
+    ys = [m(x[:, 16 + i:17 + i], decode=True) for i in range(3)]
+    assert float(jnp.abs(y0 - m(x[:, :16])).max()) < TOL
+    full = causal(x)
+    assert max(float(jnp.abs(y[:, 0] - full[:, 16 + i]).max()) for i, y in enumerate(ys)) < TOL
 
 
-def test_jitted_step_past_max_length_returns_nan():
+def test_packed_prompt_prefill_and_decode_follow_the_training_path():
+    # A packed prompt (two documents, per-document positions, then -1 padding): the prefill equals the
+    # training path with the same segment ids, and decode continues the last document: each new token
+    # equals the training path over the row with the new tokens appended to that document.
+    for (c, u, t), kw in (((4, 2, 1), {}), ((2, 2, 2), dict(kv_exchange="ring"))):
+        m = _layer(c, u, t, **kw)
+        n, B, S, steps = jax_cp.mesh_dims(m.mesh).cp, 2, 16, 3
+        x = jax.random.normal(jax.random.key(5), (B, S + steps, D))
+        lens = [(6, 7), (5, 11)]  # documents per row; row 0 is padded after 13 tokens
+        seg = np.full((B, S), -1, np.int32)
+        pos = np.zeros((B, S), np.int32)
+        for b, ls in enumerate(lens):
+            seg[b, :sum(ls)] = np.repeat(np.arange(len(ls)), ls)
+            pos[b, :sum(ls)] = np.concatenate([np.arange(L) for L in ls])
+        m.init_cache((B, 32))
+        y0 = m(x[:, :S], prefill=True, segment_ids=jnp.asarray(seg), positions=jnp.asarray(pos))
+        ref0 = m(x[:, :S], segment_ids=jnp.asarray(seg), positions=jnp.asarray(pos))
+        assert float(jnp.abs(y0 - ref0).max()) < TOL
+        assert [int(i) for i in m.cache_index[...]] == [ls[-1] for ls in lens]  # the last document's length
+        ys = [m(x[:, S + i:S + i + 1], decode=True) for i in range(steps)]
+        for b, ls in enumerate(lens):
+            real = sum(ls)
+            row = jnp.concatenate([x[b, :real], x[b, S:S + steps]])
+            row_seg = np.concatenate([seg[b, :real], np.full(steps, len(ls) - 1)])
+            row_pos = np.concatenate([pos[b, :real], ls[-1] + np.arange(steps)])
+            pad = (-row.shape[0]) % (2 * n)
+            row = jnp.pad(row, ((0, pad), (0, 0)))[None].repeat(B, 0)
+            row_seg, row_pos = (jnp.asarray(np.pad(a, (0, pad), constant_values=v))[None].repeat(B, 0)
+                                for a, v in ((row_seg, -1), (row_pos, 0)))
+            ref = m(row, segment_ids=row_seg, positions=row_pos)[0]
+            err = max(float(jnp.abs(y[b, 0] - ref[real + i]).max()) for i, y in enumerate(ys))
+            assert err < TOL, ((c, u, t), b, err)
+
+
+def test_right_padding_by_segment_ids_is_not_cached():
+    # Segment id -1 marks padding at prefill as in training: the cache counts 9 real tokens, not 16,
+    # and the next token attends to those 9 only (the same as lengths=9).
+    m, by_len = _layer(4, 2, 1), _layer(4, 2, 1)
+    x = jax.random.normal(jax.random.key(6), (2, 17, D))
+    seg = jnp.asarray(np.where(np.arange(16) < 9, 0, -1)[None].repeat(2, 0).astype(np.int32))
+    for layer, kw in ((m, dict(segment_ids=seg)), (by_len, dict(lengths=jnp.array([9, 9])))):
+        layer.init_cache((2, 24))
+        layer(x[:, :16], prefill=True, **kw)
+    assert [int(i) for i in m.cache_index[...]] == [9, 9]
+    y, y_len = m(x[:, 16:17], decode=True), by_len(x[:, 16:17], decode=True)
+    assert float(jnp.abs(y - y_len).max()) < TOL
+    ref = m(jnp.concatenate([x[:, :9], x[:, 16:17], jnp.zeros((2, 6, D))], axis=1))  # 9 real + the new one
+    assert float(jnp.abs(y[:, 0] - ref[:, 9]).max()) < TOL
+
+
+def test_decode_keeps_the_prefills_window():
+    # A decode step that leaves out the prefill's per-call window still attends within it.
+    m = _layer(8, 1, 1)
+    assert _decode_vs_full(m, S=16, L=48, steps=6, lengths=[13, 16], window=6, decode_window=None) < TOL
+    assert int(m.cache_window[...]) == 6
+    with pytest.raises(ValueError, match=r"local_window_size=4 differs from the window the prefill used \(6\)"):
+        m(jnp.ones((2, 1, D)), decode=True, local_window_size=4)
+    m.init_cache((2, 16))
+    m(jnp.ones((2, 8, D)), prefill=True)
+    with pytest.raises(ValueError, match=r"local_window_size=3 differs from the window the prefill used \(None\)"):
+        m(jnp.ones((2, 1, D)), decode=True, local_window_size=3)
+    step = nnx.jit(lambda m, x: m(x, decode=True, local_window_size=3))
+    with pytest.raises(Exception, match="local_window_size=3 differs from the window the prefill used"):
+        jax.block_until_ready(step(m, jnp.ones((2, 1, D))))
+
+
+def test_jitted_step_past_max_length_is_an_error():
+    # Under jit the slot count is traced: the step fails when it runs instead of returning NaN.
     m = _layer(2, 2, 1)
     m.init_cache((2, 8))
-    m(jnp.ones((2, 8, D)), prefill=True)
-    y = nnx.jit(lambda m, x: m(x, decode=True))(m, jnp.ones((2, 1, D)))
-    assert bool(jnp.isnan(y).all())
+    m(jnp.ones((2, 4, D)), prefill=True)
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    for _ in range(2):  # fill the cache: fine
+        assert bool(jnp.isfinite(step(m, jnp.ones((2, 2, D)))).all())
+    with pytest.raises(Exception, match=r"decoding 2 more token\(s\) would overfill the cache: exceed its max_length=8"):
+        jax.block_until_ready(step(m, jnp.ones((2, 2, D))))
+
+
+@pytest.mark.parametrize("linen", [False, True])
+def test_module_mask_gets_the_functions_value_error(linen):
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2)
+    x, mask = jnp.ones((2, 8, D)), jnp.ones((2, 1, 8, 8), bool)
+    match = "mask= is not supported.*is_causal=, local_window_size=, segment_ids=.*positions="
+    with pytest.raises(ValueError, match=match):
+        jax_cp.dot_product_attention(jnp.ones((2, 8, 4, 8)), jnp.ones((2, 8, 4, 8)), jnp.ones((2, 8, 4, 8)),
+                                     mask=mask, mesh=mesh)
+    with pytest.raises(ValueError, match=match):
+        if linen:
+            m = jax_cp.linen.CPAttention(num_heads=4, in_features=D, mesh=mesh)
+            m.init(jax.random.key(0), x, mask=mask)
+        else:
+            jax_cp.CPAttention(4, D, mesh=mesh, rngs=nnx.Rngs(0))(x, mask=mask)
 
 
 # ----------------------------------------------------------------------------- the model and generate
@@ -228,6 +325,26 @@ def test_model_greedy_decode_matches_one_device(layout):
         np.testing.assert_allclose(logits[b], full[lengths[b] - 1:lengths[b] + 9], atol=1e-4, rtol=1e-4)
 
 
+def test_model_prefill_honours_a_packed_prompt():
+    # The Llama model hands the prompt's segment ids to every layer at prefill: its logits equal the
+    # training path's on the same packed row, and the next token continues the last document.
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    model = _model(mesh)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (2, 16)), jnp.int32)
+    seg = jnp.asarray(np.repeat([0, 1], [7, 9])[None].repeat(2, 0), jnp.int32)
+    pos = jnp.asarray(np.concatenate([np.arange(7), np.arange(9)])[None].repeat(2, 0), jnp.int32)
+    model.init_cache(2, 24)
+    pre = model(tokens, prefill=True, segment_ids=seg, positions=pos)
+    np.testing.assert_allclose(pre, model(tokens, segment_ids=seg, positions=pos), atol=1e-4, rtol=1e-4)
+    nxt = jnp.asarray([[3], [5]], jnp.int32)
+    step = model(nxt, decode=True)[:, 0]
+    alone = jnp.concatenate([tokens[:, 7:], nxt, jnp.zeros((2, 6), jnp.int32)], axis=1)  # the last document
+    ref = model(alone, positions=jnp.arange(16), segment_ids=jnp.asarray(np.where(np.arange(16) < 10, 0, -1)))
+    np.testing.assert_allclose(step, ref[:, 9], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="pass segment_ids to the prefill call"):
+        model(nxt, decode=True, segment_ids=jnp.zeros((2, 1), jnp.int32))
+
+
 def test_decode_step_holds_the_cache_once():
     mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
     cfg = dataclasses.replace(CFG, d_model=64, head_dim=64, d_ff=128)  # a real head dim: the cache dominates
@@ -291,7 +408,8 @@ def test_planned_tpu_decode_step_holds_the_sharded_cache_once():
     c = llama.get_config("tiny")  # 2 layers, 2 kv heads of 16, bfloat16 cache; one sequence (dp=1)
     for cache_len, (a, per_chip) in runs.items():
         slots = cache_len // 4
-        assert per_chip == c.num_layers * (2 * slots * (c.num_kv_heads // 2) * c.head_dim * 2 + slots * 4 + 4 + 4)
+        # K and V (bf16), positions, then cache_index, cache_slots and cache_window (int32 each)
+        assert per_chip == c.num_layers * (2 * slots * (c.num_kv_heads // 2) * c.head_dim * 2 + slots * 4 + 4 * 3)
         assert a.memory.aliased >= per_chip, a.memory  # every cache buffer updated in place
         merges = [x for x in a.schedule.collectives if x.axes == ("cp_colossal", "cp_ulysses")]
         assert {x.kind for x in merges} == {"all-reduce"} and len(merges) == 2 * c.num_layers  # pmax + psum a layer
