@@ -12,10 +12,12 @@ K/V would take more than a quarter of a device's HBM, and, with splash, the toke
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from jax_cp.exchanges import AllGather, AllToAll, KVExchange, Ring
 
-__all__ = ["AUTO", "Choice", "choose", "chip_of", "int_or_auto", "RULES", "SPLASH_RULES", "SPLASH_LONG_RULES"]
+__all__ = ["AUTO", "Choice", "choose", "chip_of", "int_or_auto", "MEASURED_AT", "RULES", "SPLASH_RULES",
+           "SPLASH_LONG_RULES"]
 
 AUTO = "auto"
 KV_MEMORY_SHARE = 0.25  # gathered K/V (and their float32 gradients) beyond this share of HBM: the ring
@@ -23,12 +25,19 @@ KV_MEMORY_SHARE = 0.25  # gathered K/V (and their float32 gradients) beyond this
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """A resolved grouping and the measurement (or reason) behind it."""
+    """A resolved grouping and the measurement (or reason) behind it.
+
+    ``measured_overlap``: the share of CP bytes (fwd, bwd) the rule's grouping hid where it was
+    measured, ``measured_at`` (``MEASURED_AT``); ``None`` where no measurement applies. The planner
+    compares them with the plan's own figures, since other shapes can hide less.
+    """
 
     kv_exchange: KVExchange
     overlap_chunks: int
     fused_qkv_chunks: int
     why: str
+    measured_overlap: tuple[float, float] | None = None  # fwd / bwd CP bytes hidden where the rule was measured
+    measured_at: str = ""  # the topology and layer shape behind measured_overlap (MEASURED_AT)
 
 
 # chip -> layout kind -> (kv_exchange, overlap_chunks, fused_qkv_chunks, measured fwd / bwd overlap)
@@ -74,6 +83,21 @@ SPLASH_LONG_RULES = {
     "v5p": {"ulysses": (16384, (AllGather(), 2, 1, "v5p (1,4,4) with splash at >= 16K tokens per device: "
                                                    "0.75-1.00 / 1.00 in bytes, 0.75 / 1.00 in time"))},
 }
+# Where a chip's bare name in the notes above was measured (benchmarks/RESULTS.md "Overlap (planner)"):
+# other shapes, a batch of 1 included, can hide less with the same grouping; the planner says so.
+MEASURED_AT = {
+    "v5e": "v5e:4x4, a Llama-3-8B layer (D=4096, 32 heads, 8 kv heads), B=2, S = 8K, 32K and 128K",
+    "v5p": "v5p:4x4x4, a Llama-3-8B layer (D=4096, 32 heads, 8 kv heads), B=4, S = 8K, 32K and 128K",
+}
+_OVERLAP = re.compile(r"(\d\.\d\d)(?:-\d\.\d\d)? / (\d\.\d\d)")  # a note's first "fwd / bwd" (its lower end)
+
+
+def _measured_overlap(note: str) -> tuple[float, float] | None:
+    """The first ``fwd / bwd`` overlap pair of a rule's note (``0.75-1.00 / 1.00`` reads 0.75, 1.00)."""
+    m = _OVERLAP.search(note)
+    return None if m is None else (float(m.group(1)), float(m.group(2)))
+
+
 # Not measured: other TPU generations take the v5e rule (the same lite-chip scheduler flags).
 TPU_FALLBACK = "v5e"
 
@@ -115,21 +139,23 @@ def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads
         # CPU collectives are copies and chunks only add ops; GPU schedules are not measured yet.
         return Choice(AllGather(), 1, 0, f"{platform}: the plain layer (no measured gain from chunking)")
     kind = "ulysses" if c == 1 else "colossal" if u == 1 else "hybrid"
-    table = RULES.get(chip) or RULES[TPU_FALLBACK]
+    known = chip if chip in RULES else TPU_FALLBACK
+    table = RULES[known]
     if kernel == "splash":
-        known = chip if chip in RULES else TPU_FALLBACK
         table = table | SPLASH_RULES.get(known, {})
         long = SPLASH_LONG_RULES.get(known, {}).get(kind)
         if long and tokens_per_device and tokens_per_device >= long[0]:
             table = table | {kind: long[1]}
     exchange, n, fused, measured = table[kind]
-    why = f"measured {measured}" + ("" if chip in RULES else f" (chip {chip or 'unknown'}: the {TPU_FALLBACK} rule)")
+    why = (f"measured {measured}" + ("" if chip in RULES else f" (chip {chip or 'unknown'}: the {TPU_FALLBACK} rule)")
+           + f" [{known} = {MEASURED_AT[known]}]")
+    claim = _measured_overlap(measured)
     if c > 1 and exchange != Ring() and kv_bytes_per_device and hbm_bytes \
             and kv_bytes_per_device > KV_MEMORY_SHARE * hbm_bytes:
-        exchange, fused = Ring(), fused if u > 1 else 0
+        exchange, fused, claim = Ring(), fused if u > 1 else 0, None  # not the measured exchange
         why = (f"all-gathered K/V {kv_bytes_per_device / 2**30:.1f} GiB > {KV_MEMORY_SHARE:.0%} of "
                f"{hbm_bytes / 2**30:.0f} GiB HBM: the ring; chunks as {why}")
     per_device = num_heads // (t * u)
     n = _divisor_at_most(per_device, n)
     fused = min(fused, n) if exchange.fuses_qkv else 0
-    return Choice(exchange, n, fused, why)
+    return Choice(exchange, n, fused, why, claim, MEASURED_AT[known] if claim else "")

@@ -6,13 +6,17 @@ baseline) with the real TPU compiler from the ``libtpu`` wheel and returns a
 ``Report``: per-device memory, every collective of the schedule with its mesh
 axes and bytes, the overlap fraction forward and backward, FLOPs and an
 estimated step time. ``strategy="auto"`` chooses the layout. Command line:
-``python -m jax_cp.plan --help``. ``recommended_xla_flags`` gives the flags
-that make collectives asynchronous, ``apply_recommended_flags`` sets them for
-the process, ``compiler_options`` turns them into per-compile options.
+``python -m jax_cp.plan --help``. ``compare(topology=..., layouts=[(1, 4, 1), (4, 1, 4)], ...)``
+plans several layouts alike; every report ends with a verdict line (which layout to run, and
+why). ``recommended_xla_flags`` gives the flags that make collectives asynchronous,
+``apply_recommended_flags`` sets them for the process, ``compiler_options`` turns them into
+per-compile options.
 A whole training step: ``python -m models.train --plan TOPOLOGY ...``
 (``models.train.plan_train_step``), or ``analyze_program`` for your own.
 """
-from jax_cp.plan._analyze import STRATEGIES, analyze, analyze_program, get_topology, kv_exchanges, topology_mesh
+from jax_cp.plan._analyze import (
+    STRATEGIES, analyze, analyze_program, compare, get_topology, kv_exchanges, parse_layout, topology_mesh,
+)
 from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
 from jax_cp.plan._chips import CHIPS, Chip, chip_for
 from jax_cp.plan._flags import (
@@ -20,11 +24,13 @@ from jax_cp.plan._flags import (
 )
 from jax_cp.plan._hlo import Collective, Schedule, analyze_schedule
 from jax_cp.plan._models import MODELS, ModelSpec
-from jax_cp.plan._report import Analysis, Estimate, Memory, Report, format_programs
+from jax_cp.plan._report import Analysis, Comparison, Estimate, Memory, Report, format_programs
+from jax_cp.plan._verdict import Option, Verdict, verdict
 
 __all__ = [
-    "Analysis", "CHIPS", "Chip", "Collective", "Estimate", "FLAG_ENV", "LayerShape", "MODELS",
-    "Memory", "ModelSpec", "Report", "STRATEGIES", "Schedule", "analyze", "analyze_program", "analyze_schedule",
-    "apply_for_this_host", "apply_recommended_flags", "chip_for", "compiler_options", "cp_layer", "format_programs", "get_topology",
-    "kv_exchanges", "naive_layer", "recommended_xla_flags", "topology_mesh",
+    "Analysis", "CHIPS", "Chip", "Collective", "Comparison", "Estimate", "FLAG_ENV", "LayerShape", "MODELS",
+    "Memory", "ModelSpec", "Option", "Report", "STRATEGIES", "Schedule", "Verdict", "analyze", "analyze_program",
+    "analyze_schedule", "apply_for_this_host", "apply_recommended_flags", "chip_for", "compare", "compiler_options",
+    "cp_layer", "format_programs", "get_topology", "kv_exchanges", "naive_layer", "parse_layout",
+    "recommended_xla_flags", "topology_mesh", "verdict",
 ]

@@ -5,6 +5,9 @@ Example::
     JAX_PLATFORMS=cpu python -m jax_cp.plan --topology v5p:4x4x4 --cp-colossal 4 --cp-ulysses 4 --tp 4 \\
         --seq-len 131072 --model llama3-8b
     JAX_PLATFORMS=cpu python -m jax_cp.plan --topology v5e:4x4 --strategy auto --seq-len 32768
+    JAX_PLATFORMS=cpu python -m jax_cp.plan --topology v5p:4x4x4 --seq-len 8192 --compare 1,4,1 4,1,4 4,4,1
+
+Every report ends with a verdict line: which layout to run, and why.
 """
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, required=True, help="global sequence length S")
     p.add_argument("--batch", type=int, default=None, help="global batch B (default: dp, one sequence per replica)")
     p.add_argument("--strategy", default="manual", choices=("manual", "auto"))
+    p.add_argument("--compare", nargs="+", metavar="C,U,T", default=None,
+                   help="plan these layouts (cp_colossal,cp_ulysses,tp) at one global batch (default: the lcm of "
+                        "their dp) and say which to run; replaces --strategy and the degrees below")
     p.add_argument("--cp-colossal", type=int, default=1)
     p.add_argument("--cp-ulysses", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
@@ -52,21 +58,30 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the TPU compiler runs from the libtpu wheel; no TPU needed
-    from jax_cp.plan import analyze, get_topology
+    from jax_cp.plan import analyze, compare, get_topology
 
     batch = args.batch
-    if batch is None:
+    if batch is None and not args.compare:
         n = len(get_topology(args.topology).devices)
         batch = 1 if args.strategy == "auto" else max(n // (args.cp_colossal * args.cp_ulysses * args.tp), 1)
     budget = None if args.memory_budget_gib is None else int(args.memory_budget_gib * 2**30)
+    flags = None if args.xla_flags is None else tuple(args.xla_flags.split())
     try:
+        if args.compare:
+            print(compare(
+                topology=args.topology, layouts=args.compare, model=args.model, seq_len=args.seq_len,
+                batch=args.batch, kv_exchange=args.kv_exchange, overlap_chunks=args.overlap_chunks,
+                fused_qkv_chunks=args.fused_qkv_chunks, kernel=args.kernel, is_causal=not args.no_causal,
+                load_balanced=args.load_balanced, dtype=args.dtype, param_dtype=args.param_dtype,
+                memory_budget=budget, xla_flags=flags))
+            return 0
         report = analyze(
             topology=args.topology, model=args.model, seq_len=args.seq_len, batch=batch, strategy=args.strategy,
             cp_colossal=args.cp_colossal, cp_ulysses=args.cp_ulysses, tp=args.tp, kv_exchange=args.kv_exchange,
             overlap_chunks=args.overlap_chunks, fused_qkv_chunks=args.fused_qkv_chunks, kernel=args.kernel,
             is_causal=not args.no_causal, load_balanced=args.load_balanced,
             dtype=args.dtype, param_dtype=args.param_dtype, memory_budget=budget, baseline=not args.no_baseline,
-            candidates=args.candidates, xla_flags=None if args.xla_flags is None else tuple(args.xla_flags.split()),
+            candidates=args.candidates, xla_flags=flags,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

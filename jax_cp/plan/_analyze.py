@@ -9,8 +9,10 @@ Letters: B batch, S sequence, D model width, H query heads, K kv heads, d head d
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import glob
+import math
 import os
 import re
 import tempfile
@@ -28,9 +30,10 @@ from jax_cp.plan._chips import chip_for
 from jax_cp.plan._flags import compiler_options, recommended_xla_flags
 from jax_cp.plan._hlo import analyze_schedule, loop_bytes
 from jax_cp.plan._models import ModelSpec, model_spec
-from jax_cp.plan._report import Analysis, Report, analysis_of
+from jax_cp.plan._report import Analysis, Comparison, Report, analysis_of, option_of
+from jax_cp.plan._verdict import TIE, rule_check, verdict
 
-__all__ = ["analyze", "analyze_program", "get_topology", "STRATEGIES", "kv_exchanges"]
+__all__ = ["analyze", "analyze_program", "compare", "get_topology", "parse_layout", "STRATEGIES", "kv_exchanges"]
 
 STRATEGIES = ("manual", "auto")
 _TOPOLOGIES: dict[str, object] = {}
@@ -41,14 +44,38 @@ def kv_exchanges() -> tuple[str, ...]:
     return exchanges.NAMES
 
 
-def _allow_shared_libtpu() -> None:
-    """Lets several compile-only processes load libtpu at once (it takes a machine-wide lock otherwise).
-
-    Only when this process will not run on TPU (``JAX_PLATFORMS`` set without ``tpu``).
-    """
+def _compile_only() -> bool:
+    """This process compiles for TPU without running on one (``JAX_PLATFORMS`` set, without ``tpu``)."""
     platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms and "tpu" not in platforms:
+    return bool(platforms) and "tpu" not in platforms
+
+
+def _allow_shared_libtpu() -> None:
+    """Lets several compile-only processes load libtpu at once (it takes a machine-wide lock otherwise)."""
+    if _compile_only():
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+# Loading libtpu on a machine that is no TPU VM, with these unset, prints a harmless block to stderr
+# (libtpu 0.0.52: "Failed to find host bounds for accelerator type: WARNING: could not determine ...",
+# "E0000 ... INVALID_ARGUMENT: ... unexpected worker hostname ...", "=== Source Location Trace: ==="):
+# it looks for the TPU workers and hosts it would run on, and a compile-only process runs on none.
+# Its log-level variables (TPU_STDERR_LOG_LEVEL, TPU_MIN_LOG_LEVEL) do not reach it (it logs before
+# initialising its logging). Naming this host as the only worker silences it, and the compiled programs
+# are the same (v5e:2x4 and v5p:4x4x4 layers: byte-identical scheduled HLO). Set only while the planner
+# loads libtpu in a compile-only process, only where the user has not set them, and removed afterwards.
+QUIET_LIBTPU_ENV = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1"}
+
+
+@contextlib.contextmanager
+def _quiet_libtpu():
+    added = [k for k in QUIET_LIBTPU_ENV if k not in os.environ] if _compile_only() else []
+    os.environ.update({k: QUIET_LIBTPU_ENV[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def get_topology(name: str):
@@ -59,7 +86,8 @@ def get_topology(name: str):
         from jax.experimental import topologies
 
         try:
-            _TOPOLOGIES[name] = topologies.get_topology_desc(platform="tpu", topology_name=name)
+            with _quiet_libtpu():  # libtpu reads its environment once, at its first topology
+                _TOPOLOGIES[name] = topologies.get_topology_desc(platform="tpu", topology_name=name)
         except Exception as e:  # libtpu raises JaxRuntimeError with its own wording
             raise ValueError(f"topology={name!r} is not a TPU topology libtpu knows ({e}); "
                              "use e.g. 'v5e:4x4', 'v5p:4x4x4', 'v6e:16x16'.") from None
@@ -210,7 +238,34 @@ def analyze_layout(topology: str, shape: LayerShape, c: int, u: int, t: int, *, 
         base = _with_shape_flops(_compile(naive_layer, "naive fused QKV", shape, mesh, chip, budget, flags),
                                  shape, c, u, t, dp, chip, load_balanced)
     return Report(topology=topology, chip=chip, mesh_shape=dict(mesh.shape), layer=shape, flags=" ".join(flags),
-                  analysis=analysis, baseline=base, defaults=why.why if why else "")
+                  analysis=analysis, baseline=base, defaults=why.why if why else "",
+                  rule_check=_rule_check(why, shape, analysis), verdict=_one_layout_verdict(analysis, base, shape))
+
+
+def _rule_check(why, shape: LayerShape, a: Analysis) -> str:
+    """This plan's overlap against the auto rule's measured figure, where the rule's grouping is what ran."""
+    if why is None or why.measured_overlap is None:
+        return ""
+    ran = (shape.kv_exchange, shape.overlap_chunks, shape.fused_qkv_chunks)
+    if ran != (why.kv_exchange.name, why.overlap_chunks, why.fused_qkv_chunks):  # an explicit knob changed it
+        return ""
+    return rule_check(why.measured_overlap, (a.overlap("fwd"), a.overlap("bwd")))
+
+
+def _one_layout_verdict(a: Analysis, base: Analysis | None, shape: LayerShape) -> str:
+    """A one-layout plan's verdict: the layout against the naive placement of the same layout (one fused
+    QKV projection, one chunk), by the same rule as between layouts, and what to try next."""
+    others = "; the only layout planned: to choose one, --compare C,U,T C,U,T ... (plan.compare) or --strategy auto"
+    if base is None:
+        return verdict([option_of(a)]).line + others
+    v = verdict([option_of(a), option_of(base, "the naive placement")])
+    if v.pick is None or v.pick.label == a.label:
+        return v.line + others
+    chunked = shape.overlap_chunks > 1 or shape.fused_qkv_chunks > 0
+    return (f"verdict: {a.label}'s grouping (kv_exchange={shape.kv_exchange}, overlap_chunks={shape.overlap_chunks}, "
+            f"fused_qkv_chunks={shape.fused_qkv_chunks}) does not beat the naive placement here, whose {v.why}: "
+            + ("plan one chunk (--overlap-chunks 1 --fused-qkv-chunks 0) or let --strategy auto compile the "
+               "groupings" if chunked else "let --strategy auto compile other layouts and groupings"))
 
 
 def _with_shape_flops(a: Analysis, shape: LayerShape, c: int, u: int, t: int, dp: int, chip,
@@ -314,13 +369,15 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
     if not fitting:
         raise ValueError(f"no compiled layout fits memory_budget={budget} bytes per device; "
                          "use more devices, a shorter seq_len or a smaller batch.")
-    best, s = min(fitting, key=lambda rs: rs[0].analysis.estimate.step_s)
+    v = verdict([option_of(r.analysis, _grouping(r, s)) for r, s in tried])
+    best, s = next((r, s) for r, s in tried if _grouping(r, s) == v.pick.label)
     m = best.mesh_shape
     reasons.append(
         f"chosen: cp_colossal={m['cp_colossal']} cp_ulysses={m['cp_ulysses']} tp={m['tp']} dp={m['dp']} "
         f"kv_exchange={s.kv_exchange} overlap_chunks={s.overlap_chunks} fused_qkv_chunks={s.fused_qkv_chunks}: "
-        f"the lowest estimated step time "
-        f"({best.analysis.estimate.step_s * 1e3:.3f} ms) among compiled layouts that fit {budget / 2**30:.2f} GiB."
+        f"est. {best.analysis.estimate.step_s * 1e3:.3f} ms; among compiled layouts that fit "
+        f"{budget / 2**30:.2f} GiB the lowest estimated step wins, estimates within {TIE * 100:.0f} % tie and go to "
+        f"the least memory, then the fewest CP bytes (here: {_DECIDED[v.decided_by]}; the verdict below)."
     )
     base = None
     if baseline:
@@ -330,7 +387,56 @@ def choose(topology: str, shape: LayerShape, *, memory_budget=None, baseline=Tru
                                  s, m["cp_colossal"], m["cp_ulysses"], m["tp"], m["dp"], chip, load_balanced)
     if base is not None and base.estimate.step_s < best.analysis.estimate.step_s:
         reasons.append(_baseline_wins(best.analysis, base))
-    return dataclasses.replace(best, baseline=base, reasons=tuple(reasons))
+    return dataclasses.replace(best, baseline=base, reasons=tuple(reasons), verdict=v.line)
+
+
+_DECIDED = {"time": "the lowest estimate", "memory": "a tie in time, the least memory",
+            "CP bytes": "a tie in time and memory, the fewest CP bytes", "fits": "the only one that fits",
+            "single": "the only one compiled"}
+
+
+def _grouping(r: Report, s: LayerShape) -> str:
+    """A compiled candidate's name in the verdict: layout, exchange, chunks."""
+    m = r.mesh_shape
+    fused = f" fused={s.fused_qkv_chunks}" if s.fused_qkv_chunks else ""
+    return (f"({m['cp_colossal']},{m['cp_ulysses']},{m['tp']}) {s.kv_exchange} "
+            f"overlap_chunks={s.overlap_chunks}{fused}")
+
+
+def parse_layout(text: str) -> tuple[int, int, int]:
+    """``"4,1,4"`` -> ``(4, 1, 4)``: cp_colossal, cp_ulysses, tp (the command line's ``--compare``)."""
+    try:
+        layout = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        layout = ()
+    if len(layout) != 3:
+        raise ValueError(f"layout={text!r} must be three integers C,U,T (cp_colossal,cp_ulysses,tp), e.g. 4,1,4.")
+    return layout
+
+
+def compare(*, topology: str, layouts, batch: int | None = None, **kwargs) -> Comparison:
+    """Plans each ``(cp_colossal, cp_ulysses, tp)`` of ``layouts`` like ``analyze`` and says which to run.
+
+    Every layout compiles the same layer at the same global ``batch`` (default: the least common
+    multiple of the layouts' dp, so each replica holds whole sequences); ``kwargs`` as for
+    ``analyze`` (``model``, ``seq_len``, knobs, flags, ``memory_budget``), without the naive
+    baseline. The ``Comparison``'s last line is the verdict (``plan._verdict.verdict``): the lowest
+    estimated step, near-ties (within 2 %) to the least peak memory, then the fewest CP bytes.
+    """
+    layouts = [parse_layout(x) if isinstance(x, str) else tuple(x) for x in layouts]
+    if not layouts:
+        raise ValueError("layouts is empty; give at least one (cp_colossal, cp_ulysses, tp), e.g. [(4, 1, 4)].")
+    if any(len(x) != 3 for x in layouts):
+        raise ValueError(f"layouts={layouts} must be (cp_colossal, cp_ulysses, tp) triples.")
+    for key in ("strategy", "cp_colossal", "cp_ulysses", "tp", "baseline"):
+        if key in kwargs:
+            raise ValueError(f"{key}= is set by compare itself (each layout, manual, no baseline); leave it out.")
+    if batch is None:
+        n = len(get_topology(topology).devices)
+        batch = math.lcm(*(max(n // (c * u * t), 1) for c, u, t in layouts))
+    reports = tuple(analyze(topology=topology, batch=batch, strategy="manual", cp_colossal=c, cp_ulysses=u, tp=t,
+                            baseline=False, **kwargs) for c, u, t in layouts)
+    return Comparison(reports=reports, verdict=verdict([option_of(r.analysis) for r in reports]))
 
 
 def _baseline_wins(a: Analysis, base: Analysis) -> str:

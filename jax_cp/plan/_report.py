@@ -9,8 +9,9 @@ import dataclasses
 
 from jax_cp.plan._chips import Chip
 from jax_cp.plan._hlo import Schedule
+from jax_cp.plan._verdict import Option, Verdict
 
-__all__ = ["Memory", "Estimate", "Analysis", "Report", "analysis_of", "format_programs"]
+__all__ = ["Memory", "Estimate", "Analysis", "Report", "Comparison", "analysis_of", "format_programs", "option_of"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,6 +97,11 @@ class Analysis:
         """Share of context-parallel collective bytes with compute scheduled inside (fwd/bwd/all)."""
         return self.schedule.overlap_fraction(phase)
 
+    @property
+    def cp_bytes(self) -> float:
+        """Bytes of the CP collectives, forward + backward, a loop body's once per trip."""
+        return float(sum(c.bytes * c.iterations for c in self.schedule.select()))
+
     def covered(self, phase: str | None = None) -> float | None:
         """Share of the CP collectives' estimated transfer time that the compute scheduled inside them
         covers (``Schedule.time_covered`` at the chip's peaks; fwd/bwd/all). An estimate."""
@@ -146,9 +152,32 @@ class Report:
     baseline: Analysis | None = None
     reasons: tuple[str, ...] = ()
     defaults: str = ""  # why the "auto" knobs resolved as they did (empty: none was auto)
+    rule_check: str = ""  # this plan's overlap against what the auto rule measured (plan._verdict.rule_check)
+    verdict: str = ""  # the last line: which layout to run and why (plan._verdict.verdict)
 
     def __str__(self) -> str:
         return format_report(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Comparison:
+    """Several layouts of one layer planned alike (``plan.compare``), and which to run."""
+
+    reports: tuple[Report, ...]
+    verdict: Verdict
+
+    def __post_init__(self):
+        if not self.reports:
+            raise ValueError("Comparison needs at least one report; got none.")
+
+    def __str__(self) -> str:
+        return format_comparison(self)
+
+
+def option_of(a: Analysis, label: str | None = None) -> Option:
+    """What the verdict weighs of a compiled program: estimated step, peak memory, CP bytes, fit."""
+    return Option(label=label or a.label, step_s=a.estimate.step_s, memory_bytes=a.memory.total,
+                  cp_bytes=a.cp_bytes, fits=a.memory.fits)
 
 
 def _b(n: float) -> str:
@@ -167,25 +196,50 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.3f} ms"
 
 
+def _layer_line(L, knobs: bool = True) -> str:
+    line = (f"layer: B={L.batch} S={L.seq_len} D={L.d_model} H={L.num_heads} K={L.num_kv_heads} d={L.head_dim} "
+            f"dtype={L.dtype} params={L.param_dtype} causal={L.is_causal} kernel={L.kernel}")
+    return line + (f" {_knobs(L)}" if knobs else "")
+
+
+def _knobs(L) -> str:
+    return f"kv_exchange={L.kv_exchange} overlap_chunks={L.overlap_chunks} fused_qkv_chunks={L.fused_qkv_chunks}"
+
+
+def _auto_lines(r: Report, indent: str = "") -> list[str]:
+    lines = [f"{indent}auto (kv_exchange, overlap_chunks, fused_qkv_chunks): {r.defaults}"] if r.defaults else []
+    return lines + ([f"{indent}  {r.rule_check}"] if r.rule_check else [])
+
+
 def format_report(r: Report) -> str:
     a, base = r.analysis, r.baseline
-    L = r.layer
     mesh = " ".join(f"{k}={v}" for k, v in r.mesh_shape.items())
     lines = [
         f"jax_cp plan: {r.topology} ({r.chip.device_kind}), mesh {mesh}",
-        f"layer: B={L.batch} S={L.seq_len} D={L.d_model} H={L.num_heads} K={L.num_kv_heads} d={L.head_dim} "
-        f"dtype={L.dtype} params={L.param_dtype} causal={L.is_causal} kernel={L.kernel} "
-        f"kv_exchange={L.kv_exchange} overlap_chunks={L.overlap_chunks} fused_qkv_chunks={L.fused_qkv_chunks}",
+        _layer_line(r.layer),
         f"flags: {r.flags or '(none)'}",
+        *_auto_lines(r),
+        f"kernel (kernel={r.layer.kernel}): {a.kernel} in the scheduled program",
+        "",
     ]
-    if r.defaults:
-        lines.append(f"auto (kv_exchange, overlap_chunks, fused_qkv_chunks): {r.defaults}")
-    lines.append(f"kernel (kernel={L.kernel}): {a.kernel} in the scheduled program")
-    lines.append("")
     if r.reasons:
         lines += ["strategy=auto:", *(f"  {x}" for x in r.reasons), ""]
     lines += format_programs([a] + ([base] if base is not None else [])).splitlines()
-    return "\n".join(lines)
+    return "\n".join(lines + ([""] + [r.verdict] if r.verdict else []))
+
+
+def format_comparison(cmp: Comparison) -> str:
+    """The layouts side by side (the first one's collectives listed), then the verdict as the last line."""
+    first = cmp.reports[0]
+    lines = [f"jax_cp plan: {first.topology} ({first.chip.device_kind}), {len(cmp.reports)} layouts of one layer "
+             "at the same global batch", _layer_line(first.layer, knobs=False), f"flags: {first.flags or '(none)'}"]
+    for r in cmp.reports:
+        mesh = " ".join(f"{k}={v}" for k, v in r.mesh_shape.items())
+        lines += [f"{r.analysis.label}: mesh {mesh}, {_knobs(r.layer)}, kernel {r.analysis.kernel.split(' (')[0]}",
+                  *_auto_lines(r, indent="  ")]
+    lines.append("")
+    lines += format_programs([r.analysis for r in cmp.reports]).splitlines()
+    return "\n".join(lines + ["", cmp.verdict.line])
 
 
 def format_programs(programs: list[Analysis], grouped: bool = False) -> str:
