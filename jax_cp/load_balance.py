@@ -7,8 +7,15 @@ the last rank almost all. Reorder once, at the input: cut the sequence into
 (computed from positions) stay right: :func:`reorder` hands back the positions
 with the arrays, so the order never travels without them. Pure Ulysses (``c = 1``) is a no-op.
 Implemented with reshape/reverse/concatenate, never a gather.
+
+:func:`balanced` is the safe way to use it: it runs a function on the balanced order, hands it the
+positions it must use and restores what it returns, so neither can be forgotten. :func:`reorder` /
+:func:`restore` are the parts, for a data pipeline that reorders once on the host (and a loss that
+does not care about the order); there the caller passes the positions on and restores.
 """
 from __future__ import annotations
+
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +24,7 @@ import numpy as np
 from jax_cp._masks import normalize_window, visible
 from jax_cp._mesh import is_explicit, mesh_dims
 
-__all__ = ["reorder", "restore", "positions", "work"]
+__all__ = ["balanced", "reorder", "restore", "positions", "work"]
 
 
 def _check_len(seq_len: int, c: int, u: int, name: str = "seq_len") -> None:
@@ -87,6 +94,40 @@ def reorder(tree, mesh, *, axis: int = 1):
 def restore(tree, mesh, *, axis: int = 1):
     """Inverse of :func:`reorder`: back to natural order."""
     return _apply(tree, mesh, axis, inverse=True)
+
+
+def balanced(fn, mesh, *, axis: int = 1):
+    """``fn`` run on the balanced order, with the positions it needs, its outputs back in natural order.
+
+    Returns ``g(tree, *args, **kwargs)``: every array of ``tree`` (sequence on ``axis``) is put in
+    the balanced order (:func:`reorder`), ``fn(reordered_tree, *args, positions=positions,
+    **kwargs)`` runs, and every array it returns whose ``axis`` has the sequence's length is put
+    back (:func:`restore`); other outputs (a loss, per-head statistics) pass as they are. So
+    attention never sees the balanced order without its positions, and no caller sees it at all.
+    A tree that carries per-document positions reorders them with it: pass those on inside ``fn``
+    (``positions=`` then holds the natural positions of the reordered tokens). Works eagerly and
+    under ``jit``/``grad``.
+
+    ``ValueError`` when ``fn`` takes no ``positions`` keyword (it would attend as if the order were
+    natural), or when the tree's arrays do not share one sequence length.
+    """
+    try:
+        inspect.signature(fn).bind_partial(positions=None)
+    except TypeError:
+        raise ValueError(f"balanced: fn={getattr(fn, '__name__', fn)!r} takes no positions= keyword; on the balanced "
+                         "order attention needs the positions of the reordered tokens: give fn a positions "
+                         "parameter and pass it to the attention (positions=positions).") from None
+    except ValueError:  # no signature to read (a builtin): the call will say
+        pass
+
+    def run(tree, *args, **kwargs):
+        reordered, pos = reorder(tree, mesh, axis=axis)
+        seq_len = pos.shape[0]
+        out = fn(reordered, *args, positions=pos, **kwargs)
+        along = lambda x: -jnp.ndim(x) <= axis < jnp.ndim(x) and jnp.shape(x)[axis] == seq_len
+        return jax.tree.map(lambda x: restore(x, mesh, axis=axis) if along(x) else x, out)
+
+    return run
 
 
 def positions(seq_len: int, mesh) -> jax.Array:

@@ -108,6 +108,37 @@ def test_balanced_then_restored_equals_natural(cut):
     np.testing.assert_array_equal(pos, lb.positions(S, mesh))
 
 
+@pytest.mark.parametrize("cut", [(4, 2, 1), (2, 2, 2)])
+def test_balanced_runs_on_the_order_with_its_positions_and_restores(cut):
+    # lb.balanced: the function sees the balanced order and its positions, the caller natural order in
+    # and out (per-document positions carried in the tree, reordered with it), forward and gradients.
+    c, u, t = cut
+    mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
+    q, k, v, ct = random_qkv(B, S, H, K, d, seed=5)
+    seg = packed_segments(5, B, S)
+    pos = packed_positions(seg)
+
+    def attend(tree, positions):
+        assert positions.shape == (S,)  # the natural positions of the reordered tokens
+        o = jax_cp.dot_product_attention(tree["q"], tree["k"], tree["v"], mesh=mesh, is_causal=True,
+                                         positions=tree["pos"], segment_ids=tree["seg"])
+        return o, jnp.sum(o)  # a scalar passes as it is
+
+    def f(q, k, v):
+        return lb.balanced(attend, mesh)({"q": q, "k": k, "v": v, "seg": seg, "pos": pos})[0]
+
+    def ref(q, k, v):
+        return reference.dot_product_attention(q, k, v, is_causal=True, positions=pos, segment_ids=seg)
+
+    assert_matches(f, ref, (q, k, v), ct, jnp.float32, f"balanced {cut}")
+
+    def attend_natural(tree):
+        return tree
+
+    with pytest.raises(ValueError, match=r"fn='attend_natural' takes no positions= keyword.*positions=positions"):
+        lb.balanced(attend_natural, mesh)
+
+
 def test_reorder_restore_identity_and_layout():
     mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
     np.testing.assert_array_equal(lb.reorder(jnp.arange(16), mesh, axis=0)[0],
