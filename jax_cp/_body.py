@@ -25,14 +25,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_cp._mesh import COLOSSAL, DP, ULYSSES, place
 from jax_cp._ulysses import heads_to_seq, seq_to_heads
 from jax_cp.exchanges import Meta
 
-__all__ = ["attention_shard", "GivenQKV", "placed_metadata", "check_dtype", "check_metadata", "META_SPEC",
-           "metadata_sides", "shard_call", "shard_meta"]
+__all__ = ["attention_shard", "GivenQKV", "placed_metadata", "check_dtype", "check_metadata", "kernel_for_dtype",
+           "META_SPEC", "metadata_sides", "shard_call", "shard_meta"]
 
 # [B, S] positions / segment ids: replicated over the sequence axes. Each device slices
 # the parts it needs, so the layer runs no collective for metadata (ints, B*S*4 bytes,
@@ -131,6 +131,19 @@ def check_dtype(name: str, dtype) -> None:
                          "(float32, bfloat16, float16, float64 with jax_enable_x64); cast first, e.g. x.astype(jnp.float32).")
 
 
+def kernel_for_dtype(kernel: str, dtype, argument: str = "kernel") -> str:
+    """The kernel for inputs of ``dtype``: float64 (``jax_enable_x64``) runs blockwise, whose
+    accumulators follow the inputs (``"auto"`` picks it); the other kernels compute in float32 and
+    would round float64 silently, so naming one is refused (``argument``: the parameter that named it)."""
+    if jnp.dtype(dtype) != jnp.float64 or kernel == "blockwise":
+        return kernel
+    if kernel == "auto":
+        return "blockwise"
+    raise ValueError(f"{argument}={kernel!r} computes in float32, so float64 inputs (jax_enable_x64) would lose "
+                     "precision silently; use kernel='blockwise' or 'auto' (float64 computed in float64), or cast "
+                     "the inputs to float32.")
+
+
 def metadata_sides(positions, segment_ids, kv_positions, kv_segment_ids, batch: int, q_len: int, kv_len: int):
     """Checked ``[B, T]`` / ``[B, S]`` metadata ``(pos, seg, kv_seg, kv_pos)`` of the queries and the
     keys (``exchanges.Meta``'s fields). The keys' are ``None`` where they are the queries' own
@@ -196,11 +209,22 @@ def _eager(args) -> bool:
 _EAGER_PROGRAMS: dict = {}
 
 
+def _eager_program(mapped, mesh, out_specs):
+    """The jitted program of an eager call, its output shardings stated (``out_specs`` on ``mesh``):
+    under ``jax.grad`` its transpose then takes every cotangent with this mesh's sharding. Left
+    unstated, jax 0.10 reads a cotangent's sharding against the mesh named in the cotangent's type,
+    and that can be an earlier call's mesh: JAX's cache of eager ops keys an uncommitted array by its
+    device, not by the mesh in its type, so the eager product in a loss (``jnp.sum(f(q) * ct)``)
+    comes back typed with the mesh of the first call at those shapes (an ``IndivisibleError``)."""
+    is_spec = lambda x: isinstance(x, P)
+    return jax.jit(mapped, out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs, is_leaf=is_spec))
+
+
 def shard_call(fn, mesh, in_specs: tuple, out_specs, args: list):
     """``jax.shard_map(fn, ...)(*args)``. Called eagerly (outside ``jit``: a plain call, Linen's
-    ``init``, ``jax.grad`` of concrete values) it runs as one jitted program, cached per layer,
-    instead of primitive by primitive (a Linen ``init`` took 35 s that way, 1.7 s jitted); under
-    ``jit`` it is inlined into the caller's program as before."""
+    ``init``, ``jax.grad`` of concrete values) it runs as one jitted program, cached per layer
+    and mesh, instead of primitive by primitive (a Linen ``init`` took 35 s that way, 1.7 s
+    jitted); under ``jit`` it is inlined into the caller's program as before."""
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     if not _eager(args):
         return mapped(*args)
@@ -209,7 +233,7 @@ def shard_call(fn, mesh, in_specs: tuple, out_specs, args: list):
         key = (fn.func, tuple(sorted(fn.keywords.items())), mesh, tuple(leaves), tree, out_specs)
         hash(key)
     except (AttributeError, TypeError):  # not a keyword partial of hashable settings: jit uncached
-        return jax.jit(mapped)(*args)
+        return _eager_program(mapped, mesh, out_specs)(*args)
     if key not in _EAGER_PROGRAMS:
-        _EAGER_PROGRAMS[key] = jax.jit(mapped)
+        _EAGER_PROGRAMS[key] = _eager_program(mapped, mesh, out_specs)
     return _EAGER_PROGRAMS[key](*args)

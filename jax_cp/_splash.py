@@ -40,6 +40,18 @@ from jax import lax
 from jax_cp._blockwise import check_soft_cap, merge_softmax, unchecked as _unchecked, vary_as as _vary_as
 from jax_cp._masks import normalize_window
 
+# Imported with jax_cp, not when a kernel is first chosen: these modules register JAX config states
+# that enter the tracing context (jax 0.12: pallas_fuser_disable_nested_fuse). Imported during a
+# jitted step's first trace, they would change that step's cache key and compile it twice.
+try:
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
+    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info import MaskInfo
+    _IMPORT_ERROR = None
+except ImportError as e:  # a JAX without the splash module: unavailable_reason says so, auto runs blockwise
+    sa = ska = MaskInfo = None
+    _IMPORT_ERROR = e
+
 __all__ = ["splash_attention", "splash_unsupported_reason", "unavailable_reason", "LANES", "MAX_WINDOW_KEYS",
            "RingStep", "ring_prepare", "ring_forward_step", "ring_backward_step"]
 
@@ -61,8 +73,8 @@ def unavailable_reason() -> str | None:
 
     The private piece we rely on is checked by name and signature, not by version, so a
     release that keeps it works and one that drops it falls back to blockwise, saying why."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
-
+    if _IMPORT_ERROR is not None:
+        return f"this JAX ({jax.__version__}) cannot import its splash attention module ({_IMPORT_ERROR})"
     bwd = getattr(ska, "_splash_attention_bwd", None)
     params = set(inspect.signature(bwd).parameters) if bwd is not None else set()
     if not {"res", "do", "save_residuals", "mask_function", "block_sizes", "is_mqa"} <= params:
@@ -111,8 +123,6 @@ def _counts_le(kv_keys, q_keys):
 
 
 def _mask_info(block_mask_NM, data_next_NM):
-    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info import MaskInfo
-
     return MaskInfo(data_next=data_next_NM[None], mask_next=None, block_mask=block_mask_NM[None],
                     partial_mask_blocks=None, q_sequence=None)
 
@@ -215,8 +225,6 @@ def _static(Tp: int, Sp: int, interpret: bool, soft_cap: float | None = None, *,
 
 @functools.cache
 def _template_kwargs(bq: int, bk: int, interpret: bool, soft_cap: float | None, mqa: bool) -> tuple:
-    from jax.experimental.pallas.ops.tpu import splash_attention as sa
-
     sizes = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
                           block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
     make = sa.make_splash_mqa if mqa else sa.make_splash_mha
@@ -228,8 +236,6 @@ def _template_kwargs(bq: int, bk: int, interpret: bool, soft_cap: float | None, 
 
 def _kernel(static: tuple, infos, *, save_residuals: bool = False):
     """splash's public kernel object, running on our mask data (``infos``)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
-
     return ska.SplashAttentionKernel(*infos, **dict(static), save_residuals=save_residuals)
 
 
@@ -238,8 +244,6 @@ def _is_mqa(static: tuple) -> bool:
 
 
 def _segment_ids(qseg, qseg0, kseg_s):
-    from jax.experimental.pallas.ops.tpu import splash_attention as sa
-
     return None if qseg is None else sa.SegmentIds(q=qseg0, kv=kseg_s)
 
 
@@ -303,8 +307,6 @@ def _backward(static, res, do):
     """``(dq, dk, dv, dsinks)`` from splash's backward kernels, given the residuals
     ``(q, k, v, segment_ids, sinks, o, lse, dq_info, dkv_info)``: the one private entry point
     (the public ``custom_vjp`` keeps its own forward's residuals; the ring needs the merged ones)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
-
     grads = _unchecked(lambda res, do: ska._splash_attention_bwd(**dict(static), save_residuals=False, res=res, do=do),
                        res, do)
     dq, dk, dv = grads[3:6]
