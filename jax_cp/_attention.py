@@ -19,9 +19,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_cp._blockwise import check_sinks
+from jax_cp._checks import refuse_dense
 from jax_cp._defaults import AUTO
-from jax_cp._body import (GivenQKV, attention_shard, check_dtype, metadata_sides, placed_metadata, shard_call,
-                          shard_meta)
+from jax_cp._body import (GivenQKV, attention_shard, check_dtype, kernel_for_dtype, metadata_sides, placed_metadata,
+                          shard_call, shard_meta)
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place
 from jax_cp._spec import AttentionSpec, check_seq_batch
 from jax_cp.kernels import KERNELS
@@ -71,14 +72,7 @@ IMPLEMENTATIONS = {None: "auto", "xla": "xla", "cudnn": "cudnn"}
 def _check_jax_nn_arguments(bias, mask, implementation, kernel) -> str:
     """jax.nn's arguments: ``bias``/``mask`` refused with the data-driven alternative; ``implementation``
     mapped to ``kernel`` (one of the two)."""
-    if bias is not None:
-        raise ValueError("bias= is not supported: a dense [B, N, T, S] bias is quadratic in the sequence, which "
-                         "context parallelism shards. State the pattern by data instead: positions=, segment_ids=, "
-                         "is_causal=, local_window_size= (masks), logits_soft_cap= or sinks=.")
-    if mask is not None:
-        raise ValueError("mask= is not supported: a dense [B, N, T, S] boolean mask is quadratic in the sequence, "
-                         "which context parallelism shards. State it by data instead: is_causal=, "
-                         "local_window_size=, segment_ids= (documents; a negative id pads a token) and positions=.")
+    refuse_dense(bias, mask)
     if implementation is None:
         return kernel
     if implementation not in IMPLEMENTATIONS:
@@ -111,12 +105,15 @@ def dot_product_attention(
     the scaled logits to ``c * tanh(logits / c)`` before the mask (Gemma 2), on every kernel but cuDNN
     (``"auto"`` then runs blockwise on GPU). ``sinks [H]`` (float) give each query head a learned
     logit joining its softmax denominator once, with no value (GPT-OSS); gradients flow to it.
-    ``return_max_logits=True`` returns ``(out, max_logits)``: per query head (``[H]`` float32) the
-    largest logit that entered the softmax over every visible pair, reduced over the whole mesh
-    (``-inf`` if none; no gradient), for QK-clip / MuonClip; blockwise and ``"xla"`` kernels only.
-    ``return_residual=True`` (jax.nn's) also returns each row's log-sum-exp of the logits (``[B, T, H]``
-    float32, ``[B, H, T]`` for BNSD; sinks included; ``-inf`` for a query that sees no key),
-    differentiable: ``(out, residual)``, or ``(out, max_logits, residual)`` with both.
+    ``return_max_logits=True`` returns ``(out, max_logits)``: per query head (``[H]`` float32, float64
+    for float64 inputs) the largest logit that entered the softmax over every visible pair, reduced
+    over the whole mesh (``-inf`` if none; no gradient), for QK-clip / MuonClip; blockwise and
+    ``"xla"`` kernels only.
+    ``return_residual=True`` (jax.nn's) also returns each row's log-sum-exp of the logits (``[B, T, H]``,
+    ``[B, H, T]`` for BNSD; in the inputs' dtype, as jax.nn's; sinks included; ``-inf`` for a query
+    that sees no key), differentiable: ``(out, residual)``, or ``(out, max_logits, residual)`` with both.
+    float64 inputs (``jax_enable_x64``) are computed in float64 by the blockwise kernel (``"auto"``
+    picks it; naming another kernel, which computes in float32, is a ``ValueError``).
     jax.nn's ``query_seq_lengths``/``key_value_seq_lengths`` (``[B]``): tokens at positions from
     the length on are padding as queries (zero output) / as keys (never seen).
     Cross attention: ``key``/``value`` of their own length ``S``, at ``kv_positions`` (``arange(S)``)
@@ -126,6 +123,7 @@ def dot_product_attention(
     dims = mesh_dims(mesh)
     unbatched = getattr(query, "ndim", None) == 3
     query, key, value = _check_qkv(query, key, value, layout)
+    kernel = kernel_for_dtype(kernel, query.dtype, "kernel" if implementation is None else "implementation")
     (B, T, H, d), (S, K) = query.shape, key.shape[1:3]
     spec = _resolved_spec(mesh, query, K, S, is_causal=is_causal, scale=scale, local_window_size=local_window_size,
                           kernel=kernel, kv_exchange=kv_exchange, block_q=block_q, block_kv=block_kv,
@@ -138,6 +136,8 @@ def dot_product_attention(
         key, value = (jnp.repeat(a, rep, axis=2) for a in (key, value))
     sinks = None if sinks is None else place(check_sinks(sinks, H), mesh, P(TP))
     out = _shard_attention(spec, mesh, [query, key, value, sinks] + meta, meta_specs, fields)
+    if return_residual:  # jax.nn's dtype; a cotangent of that dtype flows back through the cast to the kernels'
+        out = (*out[:-1], out[-1].astype(query.dtype))
     return _as_given(out, layout, unbatched)
 
 

@@ -2,9 +2,10 @@
 
 Forward: for each query block, loop over the key blocks its mask can reach
 (decided from per-block position and segment ranges, so hidden blocks cost
-nothing), merging them with an online softmax in float32. Backward
-(flash-attention-2 style): keep only the log-sum-exp, recompute scores block by
-block. ``forward``/``backward`` expose the (output, lse) halves for the ring.
+nothing), merging them with an online softmax in float32 (float64 for float64
+inputs: ``acc_dtype``). Backward (flash-attention-2 style): keep only the
+log-sum-exp, recompute scores block by block. ``forward``/``backward`` expose
+the (output, lse) halves for the ring.
 Letters: B batch, T queries, S keys, H query heads, K kv heads, G=H/K, d head
 dim, N/M query/key blocks, Q/C query/key block size.
 """
@@ -20,11 +21,18 @@ from jax import lax
 
 from jax_cp._masks import Window, normalize_window, visible
 
-__all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "auto_blocks", "check_block", "check_soft_cap",
-           "check_sinks", "varying_sinks", "fold_sinks", "merge_softmax", "head_max", "sinks_grad", "forward", "backward", "varying", "vary_as", "vma", "NEG"]
+__all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "acc_dtype", "auto_blocks", "check_block",
+           "check_soft_cap", "check_sinks", "varying_sinks", "fold_sinks", "merge_softmax", "head_max", "sinks_grad",
+           "forward", "backward", "varying", "vary_as", "vma", "NEG"]
 
 NEG = -1e30  # finite minus-infinity: masked scores, and the lse of rows that see no key
 _IMAX, _IMIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
+
+
+def acc_dtype(dtype):
+    """Scores, softmax state and gradient accumulators for inputs of ``dtype``: float32 for float32 and
+    narrower, float64 for float64 (``jax_enable_x64``), which float32 would silently round."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 class Meta(NamedTuple):
@@ -239,12 +247,12 @@ def vary_as(x, *refs):
 def _sink_like(sinks_H, lse, head_axis: int):
     shape = [1] * lse.ndim
     shape[head_axis] = -1
-    return sinks_H.astype(jnp.float32).reshape(shape)
+    return sinks_H.astype(lse.dtype).reshape(shape)
 
 
 def fold_sinks(o, lse, sinks_H, head_axis: int = -1):
     """The attention sinks join every row's softmax once, after all its keys: ``(o, lse)`` of the
-    keys (float32; ``o`` has ``lse``'s axes plus the head dim) -> ``(o, lse)`` of the keys and the
+    keys (``acc_dtype``; ``o`` has ``lse``'s axes plus the head dim) -> ``(o, lse)`` of the keys and the
     sink logit, which adds to the denominator and contributes no value. ``None`` sinks: unchanged."""
     if sinks_H is None:
         return o, lse
@@ -253,7 +261,7 @@ def fold_sinks(o, lse, sinks_H, head_axis: int = -1):
 
 
 def merge_softmax(a, b):
-    """Two partial softmaxes ``(o, lse)`` (float32) over disjoint keys -> the softmax over both (a
+    """Two partial softmaxes ``(o, lse)`` (``acc_dtype``) over disjoint keys -> the softmax over both (a
     ring step's merge of its chunk into what earlier chunks gave)."""
     (o0, lse0), (o1, lse1) = a, b
     new = jnp.logaddexp(lse0, lse1)
@@ -288,14 +296,14 @@ def _safe(m):
     return jnp.where(m > 0.5 * NEG, m, 0.0)
 
 
-def _init_state(refs, shape, d: int, spec: Spec, o0, lse0):
-    """The loop's softmax state ``(m, l, acc[, max])`` for one query block of ``shape = (B, K, G, Q)``."""
+def _init_state(refs, shape, d: int, spec: Spec, o0, lse0, dtype):
+    """The loop's softmax state ``(m, l, acc[, max])`` in ``dtype`` for one query block of
+    ``shape = (B, K, G, Q)``."""
     if o0 is None:
-        init = varying(refs, jnp.full(shape, NEG, jnp.float32), jnp.zeros(shape, jnp.float32),
-                       jnp.zeros((*shape, d), jnp.float32))
+        init = varying(refs, jnp.full(shape, NEG, dtype), jnp.zeros(shape, dtype), jnp.zeros((*shape, d), dtype))
     else:  # continue from a normalised (o, lse): the softmax state (m=lse, l=1, acc=o)
-        init = (lse0, *varying(refs, jnp.ones(shape, jnp.float32)), o0)
-    return init + (varying(refs, jnp.full(shape, NEG, jnp.float32)) if spec.max_logits else ())
+        init = (lse0, *varying(refs, jnp.ones(shape, dtype)), o0)
+    return init + (varying(refs, jnp.full(shape, NEG, dtype)) if spec.max_logits else ())
 
 
 def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int, bk: int, state=None):
@@ -303,7 +311,7 @@ def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int,
     (``[B K, G Q, d] @ [B K, d, C]``, ``[B K, G Q, C] @ [B K, C, d]``): no per-block transpose."""
     B, T, H, d = q_BTHd.shape
     K, dv = k_BSKd.shape[2], v_BSKd.shape[-1]  # dv: the value head dim (MLA: not d)
-    G = H // K
+    G, acc_t = H // K, acc_dtype(q_BTHd.dtype)
     has_seg = qm.seg is not None
     order_NM, count_N = _schedule(block_visible(qm, km, spec, bq, bk))
     q_NBKGQd = _blocks_major(q_BTHd.reshape(B, T, K, G, d), bq, (0, 2, 3, 1, 4))
@@ -318,7 +326,7 @@ def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int,
         def body(n, carry):
             m, l, acc = carry[:3]
             j = order[n]
-            s = jnp.einsum("bkgqd,bkdc->bkgqc", q, kT_MBKdC[j], preferred_element_type=jnp.float32)
+            s = jnp.einsum("bkgqd,bkdc->bkgqc", q, kT_MBKdC[j], preferred_element_type=acc_t)
             mask = _block_mask(qpos, qseg, qval, kpos[j], kseg[j], kval[j], spec, has_seg)
             s = jnp.where(mask, spec.logits_and_slope(s)[0], NEG)  # the one select on the tile
             row = s.max(-1)
@@ -327,11 +335,11 @@ def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int,
             p = jnp.exp(s - shift[..., None])
             alpha = jnp.exp(m - shift)
             v = v_MBKCd[j]
-            pv = jnp.einsum("bkgqc,bkcd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            pv = jnp.einsum("bkgqc,bkcd->bkgqd", p.astype(v.dtype), v, preferred_element_type=acc_t)
             stat = (jnp.maximum(carry[3], row),) if spec.max_logits else ()  # the visible logits' max
             return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv, *stat
 
-        m, l, acc, *stat = lax.fori_loop(0, count, body, _init_state(refs, (B, K, G, bq), dv, spec, o0, lse0))
+        m, l, acc, *stat = lax.fori_loop(0, count, body, _init_state(refs, (B, K, G, bq), dv, spec, o0, lse0, acc_t))
         seen = l > 0
         o = acc / jnp.where(seen, l, 1.0)[..., None]
         return o, jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG), *stat  # [B, K, G, Q, (d)]
@@ -352,6 +360,7 @@ def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spe
     transposed (``[B K, d, G Q]``) so that ``dK^T``/``dV^T`` accumulate by plain batched matmuls."""
     B, T, H, d = q_BTHd.shape
     K, dv, G = k_BSKd.shape[2], v_BSKd.shape[-1], H // k_BSKd.shape[2]
+    acc_t = acc_dtype(q_BTHd.dtype)
     has_seg = qm.seg is not None
     refs = (q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km)
     order_MN, count_M = _schedule(block_visible(qm, km, spec, bq, bk).T)
@@ -368,28 +377,28 @@ def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spe
         def body(n, carry):
             dq_N, dkT, dvT = carry
             i = order[n]
-            s = jnp.einsum("bkgqd,bkdc->bkgqc", q_N[i], kT, preferred_element_type=jnp.float32)
+            s = jnp.einsum("bkgqd,bkdc->bkgqc", q_N[i], kT, preferred_element_type=acc_t)
             mask = _block_mask(qpos[i], qseg[i], qval[i], kpos, kseg, kval, spec, has_seg)
             logits, slope = spec.logits_and_slope(s)
             p = jnp.exp(jnp.where(mask, logits, NEG) - _safe(lse_N[i])[..., None])
             do = do_N[i]
             dvT = dvT + jnp.einsum("bkdgq,bkgqc->bkdc", doT_N[i], p.astype(do.dtype),
-                                   preferred_element_type=jnp.float32)
-            dp = jnp.einsum("bkgqd,bkdc->bkgqc", do, vT, preferred_element_type=jnp.float32)
+                                   preferred_element_type=acc_t)
+            dp = jnp.einsum("bkgqd,bkdc->bkgqc", do, vT, preferred_element_type=acc_t)
             ds = (p * (dp - delta_N[i][..., None]) * slope).astype(q_BTHd.dtype)
-            dkT = dkT + jnp.einsum("bkdgq,bkgqc->bkdc", qT_N[i], ds, preferred_element_type=jnp.float32)
-            dq = jnp.einsum("bkgqc,bkcd->bkgqd", ds, k, preferred_element_type=jnp.float32)
+            dkT = dkT + jnp.einsum("bkdgq,bkgqc->bkdc", qT_N[i], ds, preferred_element_type=acc_t)
+            dq = jnp.einsum("bkgqc,bkcd->bkgqd", ds, k, preferred_element_type=acc_t)
             return dq_N.at[i].add(dq), dkT, dvT
 
-        zeros = jnp.zeros((B, K, d, bk), jnp.float32)
-        zeros_v = zeros if dv == d else jnp.zeros((B, K, dv, bk), jnp.float32)
+        zeros = jnp.zeros((B, K, d, bk), acc_t)
+        zeros_v = zeros if dv == d else jnp.zeros((B, K, dv, bk), acc_t)
         dq_N, dkT, dvT = lax.fori_loop(0, count, body, (dq_N, *varying(refs, zeros, zeros_v)))
         return dq_N, (dkT, dvT)
 
     xs = (_blocks_major(k_BSKd, bk, (0, 2, 1, 3)), _blocks_major(k_BSKd, bk, (0, 2, 3, 1)),
           _blocks_major(v_BSKd, bk, (0, 2, 3, 1)), *_meta_blocks(km, bk), order_MN, count_M)
     if dq_BTHd is None:
-        dq0, = varying(refs, jnp.zeros((T // bq, B, K, G, bq, d), jnp.float32))
+        dq0, = varying(refs, jnp.zeros((T // bq, B, K, G, bq, d), acc_t))
     else:
         dq0 = rows(dq_BTHd)
     dq_N, (dkT, dvT) = lax.scan(kv_block, dq0, xs)
@@ -399,7 +408,7 @@ def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spe
 
 
 def forward(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, state=None):
-    """``(o_BTHd float32, lse_BTH float32)``; rows that see no key: ``o = 0``, ``lse = NEG``.
+    """``(o_BTHd, lse_BTH)`` in ``acc_dtype``; rows that see no key: ``o = 0``, ``lse = NEG``.
     With ``spec.max_logits`` also ``max_BTH``: each row's largest visible logit (``NEG`` if none).
 
     ``state=(o, lse)`` of earlier keys continues that softmax (the ring's merge,
@@ -420,7 +429,7 @@ def forward(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, state=None):
 
 
 def backward(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm: Meta, km: Meta, spec: Spec, dq=None):
-    """``(dq, dk, dv)`` in float32 given the final ``lse`` and ``delta = sum(do * o, -1)``.
+    """``(dq, dk, dv)`` in ``acc_dtype`` given the final ``lse`` and ``delta = sum(do * o, -1)``.
 
     Linear in the keys: calling it per key chunk with the global ``lse`` and
     ``delta`` and summing gives the full gradient (what the ring does; ``dq``
@@ -461,7 +470,7 @@ def _attention_bwd(spec, res, do):
 
 def outputs(spec: Spec, o, lse_BTH, row_max):
     """What the attention returns: ``o``, then what ``spec`` asks for: the per-head max logit
-    (``head_max``), the log-sum-exp ``[B, T, H]`` float32 (``-inf`` for rows that see no key)."""
+    (``head_max``), the log-sum-exp ``[B, T, H]`` in ``acc_dtype`` (``-inf`` for rows that see no key)."""
     extra = (head_max(row_max[0]),) if spec.max_logits else ()
     if spec.residual:
         extra += (jnp.where(lse_BTH > 0.5 * NEG, lse_BTH, -jnp.inf),)
@@ -472,14 +481,15 @@ def output_cotangent(spec: Spec, ct, o):
     """``(do, delta)`` from the cotangent of ``outputs``: ``delta = sum(do * o, -1) - d lse``, since
     ``d lse / d s = p`` adds ``p * d lse`` to every score's gradient (the statistic has none)."""
     do, dlse = (ct[0], ct[-1] if spec.residual else None) if spec.max_logits or spec.residual else (ct, None)
-    delta = jnp.einsum("...d,...d->...", do.astype(jnp.float32), o.astype(jnp.float32))
+    acc = acc_dtype(o.dtype)
+    delta = jnp.einsum("...d,...d->...", do.astype(acc), o.astype(acc))
     if dlse is not None:
-        delta = delta - jnp.where(jnp.isfinite(dlse), dlse, 0.0).astype(jnp.float32)
+        delta = delta - jnp.where(jnp.isfinite(dlse), dlse, 0.0).astype(acc)
     return do, delta
 
 
 def head_max(max_BTH):
-    """Rows' largest visible logits ``[B, T, H]`` -> per head ``[H]`` float32, ``-inf`` where no
+    """Rows' largest visible logits ``[B, T, H]`` -> per head ``[H]`` (their dtype), ``-inf`` where no
     row saw a key (the max-logit statistic, e.g. for QK-clip)."""
     m = lax.stop_gradient(max_BTH).max((0, 1))
     return jnp.where(m > 0.5 * NEG, m, -jnp.inf)
@@ -499,7 +509,8 @@ def blockwise_attention(
     ``return_max_logits=True`` returns ``(o, max_logits [H])``: per query head, the largest logit
     that entered the softmax (scaled, soft-capped if set; visible pairs only; ``-inf`` if none), no
     gradient. ``return_residual=True`` appends the log-sum-exp of each row's logits (``[B, T, H]``
-    float32, sinks included; ``-inf`` for rows that see no key), differentiable.
+    float32, float64 for float64 inputs: ``acc_dtype``; sinks included; ``-inf`` for rows that see no
+    key), differentiable.
     ``sinks [H]``: one learned logit per query head that joins every row's softmax denominator
     and contributes no value (GPT-OSS), with its gradient.
     ``logits_soft_cap=c`` caps the scaled logits to ``c * tanh(logits / c)`` before the mask (Gemma

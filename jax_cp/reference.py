@@ -1,4 +1,4 @@
-"""Single-device ground truth: plain softmax attention, computed in float32.
+"""Single-device ground truth: plain softmax attention, computed in float32 (float64 for float64 inputs).
 
 Every fast path in jax_cp is tested against this module.
 Letters: B batch, S sequence, H query heads, K kv heads, d head dim.
@@ -22,7 +22,7 @@ def attend(
     is_causal=False, local_window_size=None, scale=None, logits_soft_cap=None, sinks=None,
     return_max_logits=False, return_residual=False,
 ):
-    """Dense masked attention in BSHD layout with explicit positions, float32 math.
+    """Dense masked attention in BSHD layout with explicit positions, float32 math (float64 for float64 inputs).
 
     ``logits_soft_cap=c``: the scaled logits become ``c * tanh(logits / c)`` before the mask.
     ``sinks [H]``: one more logit per query head in every row's softmax, whose value is zero.
@@ -32,9 +32,10 @@ def attend(
     """
     H, K = q_BTHd.shape[2], k_BSKd.shape[2]
     scale = q_BTHd.shape[-1] ** -0.5 if scale is None else scale
-    q = q_BTHd.astype(jnp.float32)
-    k = jnp.repeat(k_BSKd.astype(jnp.float32), H // K, axis=2)
-    v = jnp.repeat(v_BSKd.astype(jnp.float32), H // K, axis=2)
+    acc = jnp.promote_types(q_BTHd.dtype, jnp.float32)
+    q = q_BTHd.astype(acc)
+    k = jnp.repeat(k_BSKd.astype(acc), H // K, axis=2)
+    v = jnp.repeat(v_BSKd.astype(acc), H // K, axis=2)
     s_BHTS = jnp.einsum("bthd,bshd->bhts", q, k) * scale
     if logits_soft_cap is not None:
         s_BHTS = logits_soft_cap * jnp.tanh(s_BHTS / logits_soft_cap)
@@ -46,7 +47,7 @@ def attend(
     if return_residual:
         logits = jnp.where(mask, s_BHTS, -jnp.inf)
         if sinks is not None:
-            sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (*logits.shape[:3], 1))
+            sink = jnp.broadcast_to(sinks.astype(acc)[None, :, None, None], (*logits.shape[:3], 1))
             logits = jnp.concatenate([logits, sink], axis=-1)
         extra += (jnp.swapaxes(jax.nn.logsumexp(logits, axis=-1), 1, 2),)
     return (o, *extra) if extra else o
@@ -55,7 +56,7 @@ def attend(
 def _softmax_values(s_BHTS, mask, v, sinks):
     if sinks is not None:  # the sink as one more key column, dropped after the softmax
         B, H, T, S = s_BHTS.shape
-        sink_BHT1 = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (B, H, T, 1))
+        sink_BHT1 = jnp.broadcast_to(sinks.astype(s_BHTS.dtype)[None, :, None, None], (B, H, T, 1))
         p = jax.nn.softmax(jnp.concatenate([s_BHTS, sink_BHT1], axis=-1), axis=-1)[..., :S] * mask
         return jnp.einsum("bhts,bshd->bthd", p, v)
     p = jnp.exp(s_BHTS - jax.lax.stop_gradient(s_BHTS.max(-1, keepdims=True))) * mask
@@ -92,6 +93,8 @@ def dot_product_attention(
                  local_window_size=local_window_size, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
                  return_max_logits=return_max_logits, return_residual=return_residual)
     out, *extra = out if return_max_logits or return_residual else (out,)
+    if return_residual:  # in the inputs' dtype, as jax.nn's and jax_cp.dot_product_attention's
+        extra[-1] = extra[-1].astype(query.dtype)
     if layout == "BNSD":
         out, extra = jnp.swapaxes(out, 1, 2), [jnp.swapaxes(x, 1, 2) if x.ndim == 3 else x for x in extra]
     return (out, *extra) if extra else out

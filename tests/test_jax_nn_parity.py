@@ -2,15 +2,26 @@
 ``jax.nn.dot_product_attention`` (and flax's ``MultiHeadAttention``): the same
 call (rank-4 or unbatched rank-3, GQA, causal, scale, sliding window, ``implementation=``) gives
 jax.nn's output and gradients on a CP mesh; what CP cannot take (dense ``bias``/``mask``) is refused
-with the data-driven alternative. ``return_residual`` gives jax.nn's log-sum-exp, differentiable."""
+with the data-driven alternative. ``return_residual`` gives jax.nn's log-sum-exp (in jax.nn's dtype),
+differentiable. float64 inputs (``jax_enable_x64``) are computed in float64."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_cp
 from util import assert_close, assert_matches, fwd_and_vjp, random_qkv
 
 B, S, H, d = 2, 32, 8, 8
+# float64 computed in float64: a few roundings of 1.1e-16 per sum over S keys (float32 math is ~1e-7 off).
+F64_TOL = dict(atol=1e-12, rtol=1e-12)
+
+
+def _assert_close_f64(actual, expected, what=""):
+    """``util.assert_close`` at ``F64_TOL``, in float64 (``atol`` relative to the expected tensor's scale)."""
+    expected = np.asarray(expected, np.float64)
+    atol = F64_TOL["atol"] * max(1.0, float(np.abs(expected).max(initial=0.0)))
+    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=F64_TOL["rtol"], atol=atol, err_msg=what)
 
 
 @pytest.mark.parametrize("case", ["gqa-causal-scale", "unbatched", "window", "implementation-xla"])
@@ -134,3 +145,76 @@ def test_module_with_out_features_matches_flax_multi_head_attention():
     assert out.shape == (B, S, E)
     assert_close(out, want, jnp.float32, "output")
     assert_close(gx, want_gx, jnp.float32, "dx")
+
+
+def _fwd_and_vjps(f, args, cts):
+    """``(f(*args), [grads of <f(*args), ct> for ct in cts])``: one compile, one forward."""
+
+    @jax.jit
+    def run(args, cts):
+        out, vjp = jax.vjp(f, *args)
+        return out, [vjp(ct) for ct in cts]
+
+    return run(args, cts)
+
+
+@pytest.mark.parametrize("layout, kv_exchange", [((2, 2, 2), "all_gather"), ((4, 2, 1), "ring")])
+def test_bfloat16_residual_has_jax_nn_s_dtype_and_takes_its_cotangent(layout, kv_exchange):
+    """bfloat16 inputs: the residual is bfloat16 as jax.nn's (its values at bfloat16 tolerance), and a
+    bfloat16 cotangent for it is taken (it was float32, and such a cotangent a ``ValueError``).
+    Gradients: jax.nn's where the residual's cotangent is zero (jax.nn stops its gradient),
+    ``jax_cp.reference``'s (a differentiable ``logsumexp``) with it."""
+    c, u, t = layout
+    mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
+    bf16 = jnp.bfloat16
+    q, k, v, ct = random_qkv(B, S, H, 2, d, dtype=bf16, seed=15)
+    ct_res = jax.random.normal(jax.random.key(16), (B, S, H)).astype(bf16)
+    kw = dict(is_causal=True, return_residual=True)
+    f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange=kv_exchange, **kw)
+    nn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw)
+    ref = lambda q, k, v: jax_cp.reference.dot_product_attention(q, k, v, **kw)
+    (out, res), (grads, grads_out_only) = _fwd_and_vjps(f, (q, k, v), [(ct, ct_res), (ct, jnp.zeros_like(ct_res))])
+    (nn_out, nn_res), (nn_grads,) = _fwd_and_vjps(nn, (q, k, v), [(ct, ct_res)])
+    _, (r_grads,) = _fwd_and_vjps(ref, (q, k, v), [(ct, ct_res)])
+    what = f"{layout} {kv_exchange}"
+    assert (out.dtype, res.dtype) == (nn_out.dtype, nn_res.dtype) == (bf16, bf16), what
+    assert_close(out, nn_out, bf16, f"output {what}")
+    assert_close(res, nn_res, bf16, f"residual {what}")
+    for name, g, nn_g in zip("qkv", grads_out_only, nn_grads):
+        assert g.dtype == bf16, what
+        assert_close(g, nn_g, bf16, f"d{name} (no residual cotangent) against jax.nn {what}")
+    for name, g, rg in zip("qkv", grads, r_grads):
+        assert_close(g, rg, bf16, f"d{name} against the reference {what}")
+    assert float(jnp.abs(grads[0].astype(jnp.float32) - grads_out_only[0].astype(jnp.float32)).max()) > 1e-2
+
+
+@pytest.mark.parametrize("layout, kv_exchange", [((2, 2, 2), "all_gather"), ((4, 2, 1), "ring")])
+def test_float64_is_computed_in_float64(layout, kv_exchange):
+    """Under ``jax_enable_x64`` float64 inputs give float64 results computed in float64: forward,
+    residual and gradients equal the float64 reference to 1e-12 (they were float32 math, ~1e-7 off).
+    jax.nn itself rounds its softmax to float32 (``_dot_product_attention_core``: "always carried
+    out in fp32"), so it is met at float32 tolerance. The kernels that compute in float32 are refused."""
+    c, u, t = layout
+    mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
+    what = f"{layout} {kv_exchange}"
+    with jax.enable_x64(True):
+        q, k, v, ct = random_qkv(B, S, H, 2, d, dtype=jnp.float64, seed=17)
+        ct_res = jax.random.normal(jax.random.key(18), (B, S, H), jnp.float64)
+        kw = dict(is_causal=True, scale=0.3, return_residual=True)
+        f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange=kv_exchange, **kw)
+        ref = lambda q, k, v: jax_cp.reference.dot_product_attention(q, k, v, **kw)
+        nn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw)
+        cts = [(ct, ct_res), (ct, jnp.zeros_like(ct_res))]
+        (out, res), (grads, grads_out_only) = _fwd_and_vjps(f, (q, k, v), cts)
+        (r_out, r_res), (r_grads, _) = _fwd_and_vjps(ref, (q, k, v), cts)
+        (nn_out, _), (nn_grads,) = _fwd_and_vjps(nn, (q, k, v), cts[1:])
+        assert {a.dtype for a in (out, res, *grads)} == {jnp.dtype(jnp.float64)}, what
+        for name, a, e in [("output", out, r_out), ("residual", res, r_res), *zip(("dq", "dk", "dv"), grads, r_grads)]:
+            _assert_close_f64(a, e, f"{name} {what}")
+        assert_close(out, nn_out, jnp.float32, f"output against jax.nn {what}")
+        for name, g, nn_g in zip(("dq", "dk", "dv"), grads_out_only, nn_grads):
+            assert_close(g, nn_g, jnp.float32, f"{name} against jax.nn {what}")
+        refused = r"='(xla|splash)' computes in float32, so float64 inputs \(jax_enable_x64\) would lose precision"
+        for arg, value in (("kernel", "xla"), ("implementation", "xla"), ("kernel", "splash")):
+            with pytest.raises(ValueError, match=rf"{arg}{refused} silently; use kernel='blockwise' or 'auto'"):
+                jax_cp.dot_product_attention(q, k, v, mesh=mesh, **{arg: value})
