@@ -97,23 +97,19 @@ def dot_product_attention(
     ``layout`` is ``"BSHD"`` or ``"BNSD"`` (rank 3: one unbatched sequence, as in ``jax.nn``);
     jax.nn's ``implementation=None/"xla"/"cudnn"`` is ``kernel="auto"/"xla"/"cudnn"``; ``bias``/``mask``
     are refused (quadratic under CP). ``positions`` and ``segment_ids`` (``[S]`` or ``[B, S]`` ints)
-    give each token's global position and document in the order given. ``kv_exchange`` moves K/V
-    over ``cp_colossal``: a ``jax_cp.exchanges`` value, its name (see
-    ``jax_cp.exchanges.NAMES``) or ``"auto"`` (the measured rule for the chip and layout).
+    give each token's global position and document in the order given. ``kv_exchange`` moves K/V over
+    ``cp_colossal``: a ``jax_cp.exchanges`` value, its name or ``"auto"`` (the measured rule).
     ``block_q``/``block_kv`` size the blockwise kernel's tiles on each device (``None``: from the
     local batch, heads and platform, ``jax_cp.kernels.auto_blocks``). ``logits_soft_cap=c`` caps
     the scaled logits to ``c * tanh(logits / c)`` before the mask (Gemma 2), on every kernel but cuDNN
     (``"auto"`` then runs blockwise on GPU). ``sinks [H]`` (float) give each query head a learned
     logit joining its softmax denominator once, with no value (GPT-OSS); gradients flow to it.
-    ``return_max_logits=True`` returns ``(out, max_logits)``: per query head (``[H]`` float32, float64
-    for float64 inputs) the largest logit that entered the softmax over every visible pair, reduced
-    over the whole mesh (``-inf`` if none; no gradient), for QK-clip / MuonClip; blockwise and
-    ``"xla"`` kernels only.
-    ``return_residual=True`` (jax.nn's) also returns each row's log-sum-exp of the logits (``[B, T, H]``,
-    ``[B, H, T]`` for BNSD; in the inputs' dtype, as jax.nn's; sinks included; ``-inf`` for a query
-    that sees no key), differentiable: ``(out, residual)``, or ``(out, max_logits, residual)`` with both.
-    float64 inputs (``jax_enable_x64``) are computed in float64 by the blockwise kernel (``"auto"``
-    picks it; naming another kernel, which computes in float32, is a ``ValueError``).
+    ``return_max_logits=True`` returns ``(out, max_logits)``: per query head (``[H]``) the largest
+    logit that entered the softmax, over the whole mesh (``-inf`` if none; no gradient), for QK-clip;
+    blockwise and ``"xla"`` kernels only. ``return_residual=True`` (jax.nn's) also returns each row's
+    log-sum-exp (``[B, T, H]``, ``[B, H, T]`` for BNSD; the inputs' dtype; sinks included; ``-inf``
+    for a query that sees no key), differentiable: ``(out, [max_logits,] residual)``. float64 inputs
+    are computed in float64 (blockwise: another named kernel is a ``ValueError``).
     jax.nn's ``query_seq_lengths``/``key_value_seq_lengths`` (``[B]``): tokens at positions from
     the length on are padding as queries (zero output) / as keys (never seen).
     Cross attention: ``key``/``value`` of their own length ``S``, at ``kv_positions`` (``arange(S)``)
@@ -136,9 +132,7 @@ def dot_product_attention(
         key, value = (jnp.repeat(a, rep, axis=2) for a in (key, value))
     sinks = None if sinks is None else place(check_sinks(sinks, H), mesh, P(TP))
     out = _shard_attention(spec, mesh, [query, key, value, sinks] + meta, meta_specs, fields)
-    if return_residual:  # jax.nn's dtype; a cotangent of that dtype flows back through the cast to the kernels'
-        out = (*out[:-1], out[-1].astype(query.dtype))
-    return _as_given(out, layout, unbatched)
+    return _as_given(out, layout, unbatched, query.dtype if return_residual else None)
 
 
 def _placed_meta(mesh, dims, batch: int, q_len: int, kv_len: int, given: tuple, lengths: tuple):
@@ -184,9 +178,13 @@ def _length_padding(pos, seg, kv_seg, kv_pos, q_lengths, kv_lengths, batch: int,
     return pos, sides[0], sides[1], kv_pos
 
 
-def _as_given(outs, layout: str, unbatched: bool):
+def _as_given(outs, layout: str, unbatched: bool, residual_dtype=None):
     """The caller's layout for the output and the residual (``[B, T, H]``; ``max_logits [H]`` as it
-    is), without the batch axis for rank-3 inputs; one array when nothing else was asked for."""
+    is), without the batch axis for rank-3 inputs; one array when nothing else was asked for. The
+    residual (last) in ``residual_dtype`` when given: jax.nn's, the inputs' dtype (a cotangent of
+    that dtype flows back through the cast)."""
+    if residual_dtype is not None:
+        outs = (*outs[:-1], outs[-1].astype(residual_dtype))
     out, *extra = outs
     if layout == "BNSD":
         out, extra = jnp.swapaxes(out, 1, 2), [jnp.swapaxes(x, 1, 2) if x.ndim == 3 else x for x in extra]

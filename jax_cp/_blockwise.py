@@ -359,8 +359,7 @@ def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spe
     """Flash-attention-2 backward over the same head-major blocks; ``q`` and ``do`` are also kept
     transposed (``[B K, d, G Q]``) so that ``dK^T``/``dV^T`` accumulate by plain batched matmuls."""
     B, T, H, d = q_BTHd.shape
-    K, dv, G = k_BSKd.shape[2], v_BSKd.shape[-1], H // k_BSKd.shape[2]
-    acc_t = acc_dtype(q_BTHd.dtype)
+    K, dv, G, acc_t = k_BSKd.shape[2], v_BSKd.shape[-1], H // k_BSKd.shape[2], acc_dtype(q_BTHd.dtype)
     has_seg = qm.seg is not None
     refs = (q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km)
     order_MN, count_M = _schedule(block_visible(qm, km, spec, bq, bk).T)
@@ -382,8 +381,7 @@ def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spe
             logits, slope = spec.logits_and_slope(s)
             p = jnp.exp(jnp.where(mask, logits, NEG) - _safe(lse_N[i])[..., None])
             do = do_N[i]
-            dvT = dvT + jnp.einsum("bkdgq,bkgqc->bkdc", doT_N[i], p.astype(do.dtype),
-                                   preferred_element_type=acc_t)
+            dvT = dvT + jnp.einsum("bkdgq,bkgqc->bkdc", doT_N[i], p.astype(do.dtype), preferred_element_type=acc_t)
             dp = jnp.einsum("bkgqd,bkdc->bkgqc", do, vT, preferred_element_type=acc_t)
             ds = (p * (dp - delta_N[i][..., None]) * slope).astype(q_BTHd.dtype)
             dkT = dkT + jnp.einsum("bkdgq,bkgqc->bkdc", qT_N[i], ds, preferred_element_type=acc_t)
