@@ -9,22 +9,26 @@ with the arrays, so the order never travels without them. Pure Ulysses (``c = 1`
 Implemented with reshape/reverse/concatenate, never a gather.
 
 :func:`balanced` is the safe way to use it: it runs a function on the balanced order, hands it the
-positions it must use and restores what it returns, so neither can be forgotten. :func:`reorder` /
+positions it must use and restores what it returns, so neither can be forgotten. Packed rows of
+many documents are balanced by a per-batch :func:`plan` (a :class:`Dispatch`, ``jax_cp._dispatch``)
+that equalises each rank's visible-pair area; ``balanced`` takes it in place of the mesh. :func:`reorder` /
 :func:`restore` are the parts, for a data pipeline that reorders once on the host (and a loss that
 does not care about the order); there the caller passes the positions on and restores.
 """
 from __future__ import annotations
 
 import inspect
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_cp._dispatch import Dispatch, plan
 from jax_cp._masks import normalize_window, visible
 from jax_cp._mesh import is_explicit, mesh_dims
 
-__all__ = ["balanced", "reorder", "restore", "positions", "work"]
+__all__ = ["Dispatch", "balanced", "plan", "reorder", "restore", "positions", "work"]
 
 
 def _check_len(seq_len: int, c: int, u: int, name: str = "seq_len") -> None:
@@ -96,13 +100,14 @@ def restore(tree, mesh, *, axis: int = 1):
     return _apply(tree, mesh, axis, inverse=True)
 
 
-def balanced(fn, mesh, *, axis: int = 1):
+def balanced(fn, order, *, axis: int = 1):
     """``fn`` run on the balanced order, with the positions it needs, its outputs back in natural order.
 
-    Returns ``g(tree, *args, **kwargs)``: every array of ``tree`` (sequence on ``axis``) is put in
-    the balanced order (:func:`reorder`), ``fn(reordered_tree, *args, positions=positions,
+    ``order``: a mesh (the dual-chunk order of :func:`reorder`) or a :class:`Dispatch` (a packed
+    batch's plan, :func:`plan`). Returns ``g(tree, *args, **kwargs)``: every array of ``tree``
+    (sequence on ``axis``) is put in that order, ``fn(reordered_tree, *args, positions=positions,
     **kwargs)`` runs, and every array it returns whose ``axis`` has the sequence's length is put
-    back (:func:`restore`); other outputs (a loss, per-head statistics) pass as they are. So
+    back; other outputs (a loss, per-head statistics) pass as they are. So
     attention never sees the balanced order without its positions, and no caller sees it at all.
     A tree that carries per-document positions reorders them with it: pass those on inside ``fn``
     (``positions=`` then holds the natural positions of the reordered tokens). Works eagerly and
@@ -120,12 +125,17 @@ def balanced(fn, mesh, *, axis: int = 1):
     except ValueError:  # no signature to read (a builtin): the call will say
         pass
 
+    if isinstance(order, Dispatch):
+        forward, back = order.reorder, order.restore
+    else:
+        forward, back = partial(reorder, mesh=order), partial(restore, mesh=order)
+
     def run(tree, *args, **kwargs):
-        reordered, pos = reorder(tree, mesh, axis=axis)
-        seq_len = pos.shape[0]
+        reordered, pos = forward(tree, axis=axis)
+        seq_len = pos.shape[-1]
         out = fn(reordered, *args, positions=pos, **kwargs)
         along = lambda x: -jnp.ndim(x) <= axis < jnp.ndim(x) and jnp.shape(x)[axis] == seq_len
-        return jax.tree.map(lambda x: restore(x, mesh, axis=axis) if along(x) else x, out)
+        return jax.tree.map(lambda x: back(x, axis=axis) if along(x) else x, out)
 
     return run
 

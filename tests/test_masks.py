@@ -108,8 +108,9 @@ def test_balanced_then_restored_equals_natural(cut):
     np.testing.assert_array_equal(pos, lb.positions(S, mesh))
 
 
-@pytest.mark.parametrize("cut", [(4, 2, 1), (2, 2, 2)])
-def test_balanced_runs_on_the_order_with_its_positions_and_restores(cut):
+@pytest.mark.parametrize("cut,planned", [((4, 2, 1), False), ((2, 2, 2), False), ((4, 2, 1), True),
+                                         ((2, 2, 2), True)])
+def test_balanced_runs_on_the_order_with_its_positions_and_restores(cut, planned):
     # lb.balanced: the function sees the balanced order and its positions, the caller natural order in
     # and out (per-document positions carried in the tree, reordered with it), forward and gradients.
     c, u, t = cut
@@ -118,14 +119,17 @@ def test_balanced_runs_on_the_order_with_its_positions_and_restores(cut):
     seg = packed_segments(5, B, S)
     pos = packed_positions(seg)
 
+    # the dual-chunk order (mesh) or a packed batch's dispatch plan, whose positions are per row
+    order = lb.plan(np.asarray(seg), mesh, positions=np.asarray(pos)) if planned else mesh
+
     def attend(tree, positions):
-        assert positions.shape == (S,)  # the natural positions of the reordered tokens
+        assert positions.shape == ((B, S) if planned else (S,))  # the positions of the reordered tokens
         o = jax_cp.dot_product_attention(tree["q"], tree["k"], tree["v"], mesh=mesh, is_causal=True,
                                          positions=tree["pos"], segment_ids=tree["seg"])
         return o, jnp.sum(o)  # a scalar passes as it is
 
     def f(q, k, v):
-        return lb.balanced(attend, mesh)({"q": q, "k": k, "v": v, "seg": seg, "pos": pos})[0]
+        return lb.balanced(attend, order)({"q": q, "k": k, "v": v, "seg": seg, "pos": pos})[0]
 
     def ref(q, k, v):
         return reference.dot_product_attention(q, k, v, is_causal=True, positions=pos, segment_ids=seg)
