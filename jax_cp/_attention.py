@@ -25,7 +25,7 @@ from jax_cp._body import (GivenQKV, attention_shard, check_dtype, kernel_for_dty
                           shard_call, shard_meta)
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place
 from jax_cp._spec import AttentionSpec, check_seq_batch
-from jax_cp.kernels import KERNELS
+from jax_cp._kernels import KERNELS
 
 __all__ = ["dot_product_attention", "LAYOUTS"]
 

@@ -20,12 +20,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_cp._masks import Window, normalize_window, visible
+from jax_cp._platform import target_platform
 
-__all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "acc_dtype", "auto_blocks", "check_block",
+__all__ = ["blockwise_attention", "Spec", "Meta", "FUSED", "make_spec", "acc_dtype", "auto_blocks", "check_block",
            "check_soft_cap", "check_sinks", "varying_sinks", "fold_sinks", "merge_softmax", "head_max", "sinks_grad",
            "forward", "backward", "varying", "vary_as", "vma", "NEG"]
 
 NEG = -1e30  # finite minus-infinity: masked scores, and the lse of rows that see no key
+# Kernels that run this algorithm as fused code of their own: name -> (forward, backward), same
+# contracts as ``forward``/``backward``. Each registers itself when imported (``_pallas_gpu``), so
+# this floor imports none of them and ``Spec.kernel`` names which one computes.
+FUSED: dict = {}
 _IMAX, _IMIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
 
 
@@ -55,7 +60,7 @@ class Spec:
     soft_cap: float | None = None  # logits -> soft_cap * tanh(logits / soft_cap), before the mask
     max_logits: bool = False  # forward also returns each row's largest visible logit
     residual: bool = False  # the attention also returns its log-sum-exp (differentiable)
-    kernel: str = "blockwise"  # who computes forward/backward: this module, or "pallas_gpu" (_pallas_gpu)
+    kernel: str = "blockwise"  # who computes forward/backward: this module, or a FUSED kernel
 
     def logits_and_slope(self, s):
         """``(logits, d logits / d s)`` of the raw scores ``s``: scaled, then soft-capped if set (one
@@ -112,8 +117,6 @@ def auto_blocks(batch: int, heads: int, platform: str | None = None, *, q_len: i
     block spanning both would never let a key block skip (ring, 8 heads, 8K causal load-balanced,
     fwd+bwd: 4.6 s at 1024-row blocks, 3.0 s at 512; without load balancing 4.4 and 3.0 s)."""
     if platform is None:
-        from jax_cp.kernels import target_platform  # kernels imports this module
-
         platform = target_platform()
     if platform != "cpu":
         return OTHER_BLOCKS
@@ -411,12 +414,10 @@ def forward(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, state=None):
 
     ``state=(o, lse)`` of earlier keys continues that softmax (the ring's merge,
     without a second output buffer); the max covers this call's keys only.
-    ``spec.kernel="pallas_gpu"``: the fused GPU kernel computes it (``_pallas_gpu``, same contract).
+    Another ``spec.kernel`` (``FUSED``: the Pallas GPU kernel) computes it with the same contract.
     """
-    if spec.kernel == "pallas_gpu":
-        from jax_cp import _pallas_gpu  # it imports this module
-
-        return _pallas_gpu.forward(q_BTHd, k_BSKd, v_BSKd, qm, km, spec, state)
+    if spec.kernel != Spec.kernel:
+        return FUSED[spec.kernel][0](q_BTHd, k_BSKd, v_BSKd, qm, km, spec, state)
     T, S = q_BTHd.shape[1], k_BSKd.shape[1]
     bq, Tp, bk, Sp = _padded_blocks(spec, q_BTHd, k_BSKd)
     if state is not None:
@@ -433,10 +434,8 @@ def backward(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm: Meta, km: 
     ``delta`` and summing gives the full gradient (what the ring does; ``dq``
     is added to, in place).
     """
-    if spec.kernel == "pallas_gpu":
-        from jax_cp import _pallas_gpu
-
-        return _pallas_gpu.backward(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spec, dq)
+    if spec.kernel != Spec.kernel:
+        return FUSED[spec.kernel][1](q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spec, dq)
     T, S = q_BTHd.shape[1], k_BSKd.shape[1]
     bq, Tp, bk, Sp = _padded_blocks(spec, q_BTHd, k_BSKd)
     dq, dk, dv = _bwd_padded(_pad(q_BTHd, Tp), _pad(k_BSKd, Sp), _pad(v_BSKd, Sp), _pad(do_BTHd, Tp),

@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_cp import kernels as _kernels
+from jax_cp import _kernels
 from jax_cp._blockwise import fold_sinks
 from jax_cp._body import attention_shard, check_metadata, shard_call, shard_meta
 from jax_cp._layer import compute_specs, layer_call

@@ -14,9 +14,14 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import jax.numpy as jnp
+
+from jax_cp import _kernels, exchanges
+from jax_cp._chips import CHIPS
+from jax_cp._masks import Window, normalize_window
 from jax_cp.exchanges import AllGather, AllToAll, KVExchange, Ring
 
-__all__ = ["AUTO", "Choice", "choose", "chip_of", "int_or_auto", "MEASURED_AT", "RULES", "SPLASH_RULES",
+__all__ = ["AUTO", "Choice", "choose", "chip_of", "describe", "int_or_auto", "MEASURED_AT", "RULES", "SPLASH_RULES",
            "SPLASH_LONG_RULES"]
 
 AUTO = "auto"
@@ -104,8 +109,6 @@ TPU_FALLBACK = "v5e"
 
 def chip_of(device) -> tuple[str, str | None]:
     """``(platform, chip)`` of a device: ``("tpu", "v5e")``, ``("gpu", None)``, ``("cpu", None)``."""
-    from jax_cp.plan._chips import CHIPS  # device kinds of the TPU generations
-
     platform = getattr(device, "platform", "cpu")
     platform = "gpu" if platform in ("cuda", "rocm") else platform
     if platform != "tpu":
@@ -159,3 +162,37 @@ def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads
     n = _divisor_at_most(per_device, n)
     fused = min(fused, n) if exchange.fuses_qkv else 0
     return Choice(exchange, n, fused, why, claim, MEASURED_AT[known] if claim else "")
+
+
+def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=None,
+             is_causal: bool = False, local_window_size: Window = None, has_segments: bool = False,
+             dtype=jnp.bfloat16, head_dim: int = 128, logits_soft_cap=None, use_sinks: bool = False,
+             record_max_logits: bool = False, kv_len: int | None = None) -> str:
+    """One line: the kernel a call runs on ``platform`` (default: the default backend) and why.
+
+    ``kv_exchange``: a ``jax_cp.exchanges`` value or name (default: the default exchange).
+    ``kv_len``: the keys one kernel call sees (a ring step's chunk, or every key after an
+    all-gather; ``None``: not known). ``"auto"`` never chooses silently: e.g.
+    ``"splash (auto on tpu)"``, or ``"blockwise (auto on tpu: local_window_size=(128, 0) over
+    131072 keys in one kernel call ...)"``. An explicit kernel that cannot serve the call raises
+    its ``ValueError``.
+    """
+    exchange = exchanges.resolve(exchanges.DEFAULT if kv_exchange is None else kv_exchange)
+    exchange.check_kernel(kernel)  # e.g. the ring refuses kernels without a log-sum-exp
+    platform = platform or _kernels.target_platform()
+    window = normalize_window(local_window_size)
+    needs = dict(is_causal=is_causal, window=window, has_segments=has_segments, dtype=dtype, head_dim=head_dim,
+                 soft_cap=logits_soft_cap is not None, sinks=use_sinks, max_logits=record_max_logits)
+    chosen = _kernels.select_kernel(kernel, platform=platform, **needs, kv_len=kv_len)
+    if kernel != "auto":
+        return f"{chosen} (explicit)"
+    runs, why = exchange.step_kernel(chosen)
+    if why:
+        return f"{runs} (auto on {platform} with kv_exchange={exchange.name!r}: {why})"
+    if chosen == "blockwise":
+        why = {"tpu": _kernels.splash_unsupported_reason(window=window, kv_len=kv_len, max_logits=record_max_logits),
+               "gpu": _kernels.pallas_gpu_unsupported_reason(head_dim=head_dim)}.get(platform)
+        return f"blockwise (auto on {platform}" + (f": {why})" if why else ": the portable kernel)")
+    if chosen == "pallas_gpu":
+        return f"pallas_gpu (auto on gpu: {_kernels.cudnn_unsupported_reason(**needs)})"
+    return f"{chosen} (auto on {platform})"

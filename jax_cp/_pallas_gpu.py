@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_cp import _blockwise as bw
+from jax_cp._platform import target_platform
 
 __all__ = ["BLOCKS", "MAX_HEAD_DIM", "backward", "forward", "unsupported_reason"]
 
@@ -260,8 +261,6 @@ def _padded(st: _Static, q, k, v, qm, km):
 
 
 def _interpret() -> bool:
-    from jax_cp.kernels import target_platform  # kernels imports this module
-
     return target_platform() != "gpu"
 
 
@@ -290,3 +289,6 @@ def backward(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm: bw.Meta, k
     dq_, dk, dv_ = _bwd_call(st, q, k, v, do, stat(lse_BTH, NEG), stat(delta_BTH, 0.0), qpos, kpos, qseg, kseg)
     dq_ = dq_[:, :T, :, :d]
     return (dq_ if dq is None else dq + dq_), dk[:, :S, :, :d], dv_[:, :S, :, :dv]
+
+
+bw.FUSED["pallas_gpu"] = (forward, backward)  # blockwise runs these for Spec(kernel="pallas_gpu")

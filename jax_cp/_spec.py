@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from jax_cp import exchanges as _exchanges
-from jax_cp import kernels as _kernels
+from jax_cp import _kernels
+from jax_cp._chips import CHIPS
 from jax_cp._checks import check_positive_fields, check_positive_int
 from jax_cp._defaults import AUTO, Choice, chip_of, choose
 from jax_cp._masks import Window, normalize_window
@@ -189,8 +190,6 @@ class AttentionSpec:
 
 
 def _hbm_bytes(chip: str | None) -> int | None:
-    from jax_cp.plan._chips import CHIPS  # the published per-chip figures
-
     return CHIPS[chip].device_hbm_bytes if chip in CHIPS else None
 
 

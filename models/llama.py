@@ -18,8 +18,6 @@ from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
 
 import jax_cp
-from jax_cp._checks import check_positive_fields
-from jax_cp._mesh import gather
 
 __all__ = [
     "CONFIGS", "FSDP_AXES", "Llama", "LlamaConfig", "Sharding", "abstract_model", "attention_sharding", "get_config",
@@ -49,7 +47,10 @@ class LlamaConfig:
     use_sinks: bool = False  # a learned sink logit per query head in every attention softmax (GPT-OSS)
 
     def __post_init__(self):
-        check_positive_fields(self, ("vocab_size", "d_model", "num_layers", "d_ff"))
+        for name in ("vocab_size", "d_model", "num_layers", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer.")
         self.attention  # noqa: B018  (validates the attention shapes with the library's own messages)
 
     @property
@@ -97,7 +98,7 @@ class Sharding:
 
     ``fsdp=True`` additionally shards every weight matrix for storage over ``fsdp_axes``
     (``("dp",)`` by default; ``FSDP_AXES`` adds the CP axes): each matmul gathers its weight to
-    the ``tp``-only layout first (:meth:`compute`, an explicit all-gather: ``jax_cp._mesh.gather``),
+    the ``tp``-only layout first (:meth:`compute`, an explicit all-gather: ``jax_cp.gather``),
     so the gradient sum of a weight over those axes is a reduce-scatter, half the bytes of a
     replicated weight's all-reduce (the TPU compiler still runs both synchronously in the
     schedules measured: benchmarks/RESULTS.md, "A whole training step").
@@ -153,7 +154,7 @@ def _weight(param: nnx.Param, mesh, dtype):
     """A parameter in its compute layout (an explicit all-gather when FSDP stores it sharded, so that
     its gradient is a reduce-scatter) and dtype."""
     stored = P(*param.get_metadata()["out_sharding"])
-    return gather(param[...], mesh, stored, Sharding.compute(stored)).astype(dtype)
+    return jax_cp.gather(param[...], mesh, stored, Sharding.compute(stored)).astype(dtype)
 
 
 def attention_sharding(spec: jax_cp.AttentionSpec, mesh, sharding: Sharding) -> jax_cp.AttentionSharding:

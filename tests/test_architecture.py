@@ -1,13 +1,18 @@
-"""The layout a newcomer relies on, checked: exchanges as values, one spec, short functions.
+"""The layout a newcomer relies on, checked: floors without a circle, exchanges as values, one spec,
+short functions, public names across package boundaries.
 
 Exchange names appear as strings only in ``jax_cp/exchanges/`` (which also holds
 the one place that converts them); the grouped-query message exists once; the
 per-shard body stays a readable page.
 """
 import ast
+import json
 import pathlib
+import subprocess
+import sys
 
 import jax_cp
+from util import child_env
 
 ROOT = pathlib.Path(jax_cp.__file__).parent
 REPO = ROOT.parent
@@ -55,3 +60,120 @@ def test_example_model_uses_the_library():
     defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert not defined & {"_place", "place", "rms_norm"}, defined
     assert "set_value" not in src and "set_metadata" not in src  # no CPAttention parameter rewritten afterwards
+
+
+# The floors of jax_cp, ground first: a module imports modules of its own floor or lower ones only
+# (imports inside functions included), and no import circle closes anywhere.
+FLOORS = (
+    ("facts and metadata", ("_platform", "_chips", "_checks", "_masks", "_posenc", "_ulysses", "_mesh", "_cudnn",
+                            "_dense", "_dispatch")),
+    ("kernels", ("_blockwise", "_splash", "_pallas_gpu", "_kernels")),
+    ("per-shard steps", ("exchanges", "_projection", "load_balance")),
+    ("the rule", ("_defaults", "_spec", "kernels")),
+    ("entry points", ("_body", "_layer", "_attention", "_decode", "reference")),
+    ("flax faces", ("_module", "linen", "__init__")),
+    ("the planner", ("plan",)),
+)
+FLOOR = {name: i for i, (_, names) in enumerate(FLOORS) for name in names}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path):
+    """The jax_cp modules ``path`` imports, anywhere in it (a function's body too)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.split(".")[0] == "jax_cp")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "jax_cp":
+            for a in node.names:  # ``from jax_cp import _kernels`` names a module; ``import CPAttention`` the face
+                sub = f"{node.module}.{a.name}"
+                is_module = (REPO / sub.replace(".", "/")).with_suffix(".py").exists() or (REPO / sub.replace(".", "/")).is_dir()
+                yield sub if is_module else node.module
+
+
+def _room(module: str) -> str:
+    """A module's place in FLOORS: its first name below jax_cp (``jax_cp`` itself: ``__init__``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): set(_imports(p)) - {_module_name(p)} for p in _files("jax_cp")}
+
+
+def test_every_module_has_a_floor():
+    assert {_room(m) for m in _graph()} <= set(FLOOR), sorted({_room(m) for m in _graph()} - set(FLOOR))
+
+
+def test_imports_go_down_or_along_never_up():
+    up = [f"{m} (floor {FLOORS[FLOOR[_room(m)]][0]!r}) imports {t} (floor {FLOORS[FLOOR[_room(t)]][0]!r})"
+          for m, targets in _graph().items() for t in sorted(targets) if FLOOR[_room(t)] > FLOOR[_room(m)]]
+    assert not up, up
+
+
+def test_the_import_graph_has_no_circle():
+    graph, state, path = _graph(), {}, []
+
+    def visit(m):
+        state[m] = "open"
+        path.append(m)
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == "open":
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(t):] + [t]))
+            if t not in state:
+                visit(t)
+        path.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_an_auto_call_does_not_import_the_planner():
+    code = """
+import sys, jax
+jax.config.update("jax_num_cpu_devices", 4)
+import jax.numpy as jnp
+from flax import nnx
+import jax_cp
+m = jax_cp.CPAttention(4, 16, mesh=jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2), is_causal=True, rngs=nnx.Rngs(0))
+y = m(jnp.ones((1, 8, 16)))
+print(jax_cp.kernels.describe(), sorted(k for k in sys.modules if k.startswith("jax_cp.plan")))
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("[]"), out.stdout
+
+
+def _code_of(path: pathlib.Path) -> str:
+    if path.suffix != ".ipynb":
+        return path.read_text()
+    cells = json.loads(path.read_text())["cells"]
+    lines = [l for c in cells if c["cell_type"] == "code" for l in "".join(c["source"]).splitlines()]
+    return "\n".join(l for l in lines if not l.lstrip().startswith(("%", "!")))
+
+
+def _private_uses(path: pathlib.Path):
+    for node in ast.walk(ast.parse(_code_of(path))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "jax_cp":
+            names = node.module.split(".") + [a.name for a in node.names]
+            yield from (f"from {node.module} import {a.name}" for a in node.names
+                        if any(n.startswith("_") and not n.startswith("__") for n in names))
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.split(".")[0] == "jax_cp" and "._" in a.name)
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id == "jax_cp":
+                yield ast.unparse(node)
+
+
+def test_models_benchmarks_and_notebooks_use_public_names_only():
+    paths = [*_files("models", "benchmarks"), *sorted((REPO / "notebooks").glob("*.ipynb"))]
+    found = [f"{p.relative_to(REPO)}: {use}" for p in paths for use in _private_uses(p)]
+    assert not found, found

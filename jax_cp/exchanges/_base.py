@@ -14,7 +14,8 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_cp import kernels as _kernels
+from jax_cp import _dense
+from jax_cp import _kernels
 from jax_cp._mesh import COLOSSAL, ULYSSES, seq_chunk
 from jax_cp._ulysses import seq_to_heads
 
@@ -84,9 +85,7 @@ class KVExchange:
     def reference(self, q_BTHd, k_BSKd, v_BSKd, q_meta: Meta, kv_meta: Meta, spec):
         """What ``attend`` computes, written plainly: the device's queries (their positions and
         segment ids in ``q_meta``) against every key of the global ``k, v [B, S, K, d]``."""
-        from jax_cp import reference  # the plain module imports the layer, which imports this one
-
-        return reference.attend(q_BTHd, k_BSKd, v_BSKd, q_positions=q_meta.pos, kv_positions=kv_meta.pos,
+        return _dense.attend(q_BTHd, k_BSKd, v_BSKd, q_positions=q_meta.pos, kv_positions=kv_meta.pos,
                                 q_segment_ids=q_meta.seg, kv_segment_ids=kv_meta.seg, is_causal=spec.is_causal,
                                 local_window_size=spec.local_window_size, scale=spec.scale)
 

@@ -20,7 +20,7 @@ from jax import lax
 
 from jax_cp import _blockwise as bw
 from jax_cp import _splash as sp
-from jax_cp import kernels as _kernels
+from jax_cp import _kernels
 from jax_cp._masks import normalize_window
 from jax_cp._mesh import COLOSSAL, seq_chunk
 from jax_cp.exchanges._base import KVExchange, Meta, register

@@ -18,19 +18,19 @@ from jax_cp.plan._analyze import (
     STRATEGIES, analyze, analyze_program, compare, get_topology, kv_exchanges, parse_layout, topology_mesh,
 )
 from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
-from jax_cp.plan._chips import CHIPS, Chip, chip_for
+from jax_cp._chips import CHIPS, Chip, chip_for
 from jax_cp.plan._flags import (
     FLAG_ENV, apply_for_this_host, apply_recommended_flags, compiler_options, recommended_xla_flags,
 )
-from jax_cp.plan._hlo import Collective, Schedule, analyze_schedule
+from jax_cp.plan._hlo import Collective, Schedule, Timeline, analyze_schedule, timeline
 from jax_cp.plan._models import MODELS, ModelSpec
 from jax_cp.plan._report import Analysis, Comparison, Estimate, Memory, Report, format_programs
 from jax_cp.plan._verdict import Option, Verdict, verdict
 
 __all__ = [
     "Analysis", "CHIPS", "Chip", "Collective", "Comparison", "Estimate", "FLAG_ENV", "LayerShape", "MODELS",
-    "Memory", "ModelSpec", "Option", "Report", "STRATEGIES", "Schedule", "Verdict", "analyze", "analyze_program",
+    "Memory", "ModelSpec", "Option", "Report", "STRATEGIES", "Schedule", "Timeline", "Verdict", "analyze", "analyze_program",
     "analyze_schedule", "apply_for_this_host", "apply_recommended_flags", "chip_for", "compare", "compiler_options",
     "cp_layer", "format_programs", "get_topology", "kv_exchanges", "naive_layer", "parse_layout",
-    "recommended_xla_flags", "topology_mesh", "verdict",
+    "recommended_xla_flags", "timeline", "topology_mesh", "verdict",
 ]

@@ -26,7 +26,7 @@ from jax_cp._checks import check_positive_int
 from jax_cp._mesh import MeshDims, make_mesh, mesh_dims
 from jax_cp.plan import _auto
 from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
-from jax_cp.plan._chips import chip_for
+from jax_cp._chips import chip_for
 from jax_cp.plan._flags import compiler_options, recommended_xla_flags
 from jax_cp.plan._hlo import analyze_schedule, loop_bytes
 from jax_cp.plan._models import ModelSpec, model_spec

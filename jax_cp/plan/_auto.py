@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jax_cp._mesh import lcm
 from jax_cp.plan._build import LayerShape
-from jax_cp.plan._chips import Chip
+from jax_cp._chips import Chip
 
 __all__ = ["Candidate", "candidates", "closed_form_seconds"]
 

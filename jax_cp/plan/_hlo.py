@@ -36,7 +36,7 @@ import numpy as np
 
 from jax_cp.plan._hlo_text import Instr, _balanced, array_bytes, parse_module, tuple_element
 
-__all__ = ["Instr", "Collective", "Schedule", "parse_module", "analyze_schedule", "instr_flops", "loop_bytes",
+__all__ = ["Instr", "Collective", "Schedule", "Timeline", "timeline", "parse_module", "analyze_schedule", "instr_flops", "loop_bytes",
            "COLLECTIVE_KINDS"]
 
 COLLECTIVE_KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
@@ -405,6 +405,58 @@ def analyze_schedule(
         out += found if comp == mod.entry else [
             dataclasses.replace(c, in_loop=True, iterations=runs.get(comp, 1)) for c in found]
     return Schedule(collectives=tuple(out), cp_axes=tuple(cp_axes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """The entry computation of a scheduled module as numbered steps (matmul fusions, and collective
+    starts/dones), for drawing what runs beside what.
+
+    Attributes:
+      compute: ``(step, is_backward)`` of every step that computes (a matmul, or a fusion holding one,
+        async collective fusions included).
+      spans: ``(collective, start_step, done_step)`` of every collective of ``schedule`` in the entry
+        computation, by start (a synchronous one starts and ends at one step).
+      schedule: ``analyze_schedule``'s result for the same text.
+      steps: the number of steps.
+    """
+
+    compute: tuple
+    spans: tuple
+    schedule: Schedule
+    steps: int
+
+
+def timeline(text: str, *, mesh_shape: Sequence[int], axis_names: Sequence[str]) -> Timeline:
+    """``text`` (scheduled HLO) as a ``Timeline``: the steps of its entry computation in compiled order."""
+    mod = _Module(text)
+    schedule = analyze_schedule(text, mesh_shape=mesh_shape, axis_names=axis_names)
+    by_start = {col.name: col for col in schedule.collectives}
+    steps, compute, spans, open_, carried = 0, [], [], {}, {}
+    for i in mod.comps[mod.entry]:
+        role = _classify(mod, i)
+        inner = set().union(*(carried.get(o, set()) for o in i.operands))
+        # A matmul may sit in its own fusion or inside an async collective fusion (TPU fuses the
+        # projection matmul with the steps of an all-gather); either way it is compute at this step.
+        has_compute = i.opcode in ("convolution", "dot") or (
+            i.opcode in ("fusion", "call", "while", "conditional") and any(mod.contains(c, "compute") for c in i.called))
+        if role == "start" and i.name in by_start:
+            open_[i.name] = steps
+            carried[i.name] = {i.name}
+        elif role == "pass" and inner:
+            carried[i.name] = inner
+            if not has_compute:
+                continue
+        elif role == "done" and inner:
+            spans += [(by_start[s], open_.pop(s), steps) for s in inner if s in open_]
+        elif role == "sync" and i.name in by_start:
+            spans.append((by_start[i.name], steps, steps))
+        elif not has_compute:
+            continue
+        if has_compute:
+            compute.append((steps, "transpose(" in i.op_name))
+        steps += 1
+    return Timeline(tuple(compute), tuple(sorted(spans, key=lambda s: s[1])), schedule, steps)
 
 
 def _classify(mod: _Module, i: Instr) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_cp.plan._chips import Chip
+from jax_cp._chips import Chip
 from jax_cp.plan._hlo import Schedule
 from jax_cp.plan._verdict import Option, Verdict
 
