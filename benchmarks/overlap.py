@@ -25,8 +25,10 @@ memory and the planner's step-time estimate. Measures only; asserts nothing.
     JAX_PLATFORMS=cpu python benchmarks/overlap.py --digest > before.txt   # lowered programs only (fast)
 
 ``--digest`` lowers instead of compiling and prints a hash of each program's
-StableHLO (debug info dropped): a refactor that leaves every hash unchanged
-leaves every schedule, and so every figure of the table, unchanged.
+StableHLO (debug info dropped, and no source locations inside Pallas kernels'
+serialized bodies, which would otherwise change with any line moved in the files
+on the call stack): a refactor that leaves every hash unchanged leaves every
+schedule, and so every figure of the table, unchanged.
 
 Letters: B batch, S sequence, D model width, H query heads, K kv heads, d head dim.
 """
@@ -92,6 +94,8 @@ def main(argv=None):
                    help="print a hash of each lowered program instead of compiling (refactor check)")
     p.add_argument("--dump-dir", help="with --digest: also write each lowered program's text here")
     args = p.parse_args(argv)
+    if args.digest:  # Pallas kernel bodies carry file:line locations of the call stack; drop them
+        jax.config.update("jax_traceback_in_locations_limit", 0)
     custom = [("custom", *map(int, x.split(","))) for x in args.layout or []]
     spec = plan.MODELS["llama3-8b"]
     if not args.digest:

@@ -4,7 +4,7 @@
 ``dot_product_attention`` alike; what differs is the ``projections`` object:
 
     per head chunk i:
-      parts = projections.q_parts(i)         Q (or Q, K, V when chunk i is fused), QK-norm/RoPE applied
+      parts, carry = projections.q_parts(i, carry)   Q (or Q, K, V when fused), QK-norm/RoPE applied
       q, *kv = seq_to_heads(parts)           the Ulysses exchange, one all-to-all
       o = exchange.attend(q, k, v, ...)      the K/V exchange over cp_colossal and the local kernel
                                              (with the chunk's sink logits, projections.sinks(i), if any)
@@ -43,30 +43,30 @@ META_SPEC = P(DP, None)
 NATURAL_POS = "pos (natural)"
 
 
-def attention_shard(projections, meta: Meta, *, spec):
+def attention_shard(projections, meta: Meta, *, spec, keep_kv: bool = False):
     """Per device: every head chunk through project -> exchange -> attend -> output, then finish
-    (``meta``: the full-sequence positions and segment ids of the queries and, where they differ,
-    of the keys)."""
+    (``meta``: the queries' and keys' positions and segment ids). ``keep_kv=True`` also returns each
+    chunk's ``(k, v)`` on this device's own tokens, before any exchange (what a prefill caches)."""
     exchange = spec.kv_exchange
-    y, stats, residuals = 0, [], []
+    y, stats, residuals, kept, carry = 0, [], [], [], projections.start()
     for i in range(spec.overlap_chunks):
         # Chunk i's collectives depend on nothing of chunk i+1: XLA hides one under the other.
-        q, *kv = seq_to_heads(projections.q_parts(i), ULYSSES)
+        parts, carry = projections.q_parts(i, carry)
+        q, *kv = seq_to_heads(parts, ULYSSES)
         sinks = ulysses_heads(projections.sinks(i))
-        if kv:  # Q, K and V crossed cp_ulysses together
-            o = exchange.attend(q, *kv, meta, spec, sinks)
-        else:  # K/V projected after Q's all-to-all was issued
-            o = exchange.attend_local(q, *projections.kv_parts(i), meta, spec, sinks)
+        local = parts[1:] if kv else projections.kv_parts(i)  # K/V on own tokens: fused, or projected now
+        kept.append(local)
+        # Fused: Q, K and V crossed cp_ulysses together; else K/V go after Q's all-to-all was issued.
+        o = exchange.attend(q, *kv, meta, spec, sinks) if kv else exchange.attend_local(q, *local, meta, spec, sinks)
         o, *extra = o if spec.record_max_logits or spec.return_residual else (o,)
         if spec.record_max_logits:
             stats.append(_heads_max(extra.pop(0)))
         if spec.return_residual:
             residuals.append(heads_to_seq(extra.pop(0)[..., None], ULYSSES)[..., 0])
         y = y + projections.output(i, o)
-    extra = [jnp.concatenate(stats)] if stats else []
-    extra += [jnp.concatenate(residuals, axis=2)] if residuals else []
-    y = projections.finish(y)
-    return (y, *extra) if extra else y
+    extra = ([jnp.concatenate(stats)] if stats else []) + ([jnp.concatenate(residuals, axis=2)] if residuals else [])
+    out = (projections.finish(y), *extra) if extra else projections.finish(y)
+    return (out, kept) if keep_kv else out
 
 
 def _heads_max(m_h):
@@ -97,8 +97,11 @@ class GivenQKV:
     def sinks(self, i):
         return self._sinks
 
-    def q_parts(self, i):
-        return (self.q,)
+    def start(self):
+        return None
+
+    def q_parts(self, i, carry):
+        return (self.q,), None
 
     def kv_parts(self, i):
         return self.k, self.v

@@ -68,11 +68,11 @@ class CacheLayout:
         return {"cached_key": kv, "cached_value": kv, "cached_positions": P(DP, CP), "cache_index": P(DP),
                 "cache_slots": P(), "cache_window": P()}
 
-    def write_prefill(self, kv_seen, cache_pos_BS, ck, cv, cpos):
+    def write_prefill(self, kept, cache_pos_BS, ck, cv, cpos):
         """Inside ``shard_map``: this device's prompt K/V (seq layout, expanded heads, per chunk) into its
         first slots, at ``cache_pos_BS`` (the whole prompt's, replicated over CP; ``EMPTY`` where decode
         must not see a token: ``decode_positions``)."""
-        k, v = (jnp.concatenate([kv[j] for kv in kv_seen], axis=2)[:, :, ::self.step] for j in (0, 1))
+        k, v = (jnp.concatenate([kv[j] for kv in kept], axis=2)[:, :, ::self.step] for j in (0, 1))
         pos = seq_chunk(cache_pos_BS, CP)
         put = lambda buf, new: lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), 0, axis=1)
         return put(ck, k), put(cv, v), put(jnp.full_like(cpos, EMPTY), pos)
@@ -119,30 +119,11 @@ def check_cache(cache: dict, spec, batch: int) -> int:
     return L
 
 
-class _RecordingProjections(LinearProjections):
-    """The layer's projections, keeping each chunk's K/V on the device's own tokens (for the cache)."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.kv_seen = []
-
-    def q_parts(self, i):
-        parts = super().q_parts(i)
-        if len(parts) == 3:  # fused: K and V left with Q
-            self.kv_seen.append(parts[1:])
-        return parts
-
-    def kv_parts(self, i):
-        parts = super().kv_parts(i)
-        self.kv_seen.append(parts)
-        return parts
-
-
 def _prefill_shard(params, x_BSD, *args, spec, layout, dtype, fields, cache: CacheLayout):
     meta = shard_meta(fields, args[:len(fields)])
-    projections = _RecordingProjections(params, x_BSD, meta.pos, spec=spec, layout=layout, dtype=dtype)
-    y = attention_shard(projections, meta, spec=spec)
-    return y, cache.write_prefill(projections.kv_seen, *args[len(fields):])
+    projections = LinearProjections(params, x_BSD, meta.pos, spec=spec, layout=layout, dtype=dtype)
+    y, kept = attention_shard(projections, meta, spec=spec, keep_kv=True)
+    return y, cache.write_prefill(kept, *args[len(fields):])
 
 
 def decode_positions(pos_BS, segment_ids_BS=None, lengths_B=None):

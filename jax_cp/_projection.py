@@ -169,8 +169,9 @@ def _chunks(a, n, axis):
 class LinearProjections:
     """The layer's weights on one device, cut into ``spec.overlap_chunks`` head chunks.
 
-    ``q_parts(i)`` projects chunk i's Q (Q, K and V when the chunk is fused);
-    on hybrid layouts it also ties those parts to chunk i+1's Q weight
+    Nothing here changes after construction: ``q_parts(i, carry)`` projects chunk i's Q (Q, K and V
+    when the chunk is fused) and hands back the next chunk's carry; on hybrid layouts it also ties
+    those parts to chunk i+1's Q weight
     (``tie_cotangents``): chunk i's projection backward then waits for chunk
     i+1's dWq, and XLA hides chunk i's Q-gradient all-to-all under that matmul
     (v5e (2,2,4) 0.92 -> 1.00; not on pure Ulysses, where it was mixed, nor with
@@ -197,7 +198,6 @@ class LinearProjections:
         self.b = list(zip(*(_chunks(bias, n, 0) for bias in b)))
         self._sinks = _chunks(w.get("sinks"), n, 0)  # with the query heads of each chunk
         self.tie = spec.ties_chunks(layout.dims)
-        self.wq_next = self.wq[0]  # the next chunk's Q weight (tied to this chunk's parts on hybrid layouts)
 
     def _project(self, i, wq, idx, x=None, pos=None):
         ws, bs = (wq, *self.wkv[i]), self.b[i]
@@ -206,13 +206,20 @@ class LinearProjections:
         x, pos = (self.x, self.pos) if x is None else (x, pos)
         return project_parts(x, w, b, n, pos, self.dtype, self.spec.rope_theta, rotate)
 
-    def q_parts(self, i):
+    def start(self):
+        """The chunk loop's carry before chunk 0: its Q weight."""
+        return self.wq[0]
+
+    def q_parts(self, i, wq):
+        """Chunk i's Q (Q, K and V when the chunk is fused) from its Q weight ``wq`` (the carry), and
+        the next carry: chunk i+1's Q weight, tied to these parts on hybrid layouts (``None`` after
+        the last chunk)."""
         fused = i < self.spec.fused_qkv_chunks  # Q, K and V cross cp_ulysses in one all-to-all
-        parts = self._project(i, self.wq_next, (0, 1, 2) if fused else (0,))
-        if i + 1 < len(self.wq):
-            nxt = self.wq[i + 1]
-            parts, self.wq_next = tie_cotangents(parts, nxt) if self.tie else (parts, nxt)
-        return parts
+        parts = self._project(i, wq, (0, 1, 2) if fused else (0,))
+        if i + 1 == len(self.wq):
+            return parts, None
+        nxt = self.wq[i + 1]
+        return tie_cotangents(parts, nxt) if self.tie else (parts, nxt)
 
     def sinks(self, i):
         return self._sinks[i]

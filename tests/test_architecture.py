@@ -177,3 +177,32 @@ def test_models_benchmarks_and_notebooks_use_public_names_only():
     paths = [*_files("models", "benchmarks"), *sorted((REPO / "notebooks").glob("*.ipynb"))]
     found = [f"{p.relative_to(REPO)}: {use}" for p in paths for use in _private_uses(p)]
     assert not found, found
+
+
+PER_SHARD = ("_body.py", "_projection.py", "_decode.py", "_layer.py", "_blockwise.py", "_splash.py", "_pallas_gpu.py",
+             "_kernels.py", "_ulysses.py", "exchanges")
+MUTATORS = {"append", "extend", "insert", "pop", "update", "setdefault", "add", "clear", "remove"}
+
+
+def _mutations(path: pathlib.Path):
+    """``Class.method: what`` for every method but the constructors that assigns to ``self.<name>`` or
+    calls a mutating method on one of its attributes."""
+    for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+        for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name not in ("__init__", "__post_init__")):
+            for node in ast.walk(fn):
+                targets = node.targets if isinstance(node, ast.Assign) else \
+                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+                for t in (e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])):
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                        yield f"{cls.name}.{fn.name}: self.{t.attr} = ..."
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+                    owner = node.func.value
+                    if isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name) and owner.value.id == "self":
+                        yield f"{cls.name}.{fn.name}: self.{owner.attr}.{node.func.attr}(...)"
+
+
+def test_no_per_shard_class_holds_state_that_traced_code_mutates():
+    paths = [p for p in _files("jax_cp") if any(part in PER_SHARD for part in p.relative_to(ROOT).parts)]
+    assert len(paths) >= 12, paths
+    found = [f"{p.relative_to(REPO)}: {m}" for p in paths for m in _mutations(p)]
+    assert not found, found
