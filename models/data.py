@@ -9,7 +9,13 @@ document). The window of sample ``g = step * batch + row`` comes from a
 permutation of all windows seeded by ``(seed, epoch)``: the data order depends
 only on the seed and step, never on how many processes read it, so ``--resume``
 continues it exactly.
-Letters: B batch, S sequence.
+
+Each process builds only its rows and sequence columns of a global batch
+(:func:`process_rows`, :func:`place`), in the natural order, the dual-chunk order
+or each row's own order from a dispatch plan of its rows (:func:`plan_rows`);
+:func:`rank_pairs` and :func:`imbalance` measure what an order leaves the slowest
+colossal rank to attend.
+Letters: B batch, S sequence, R rows of this process, C colossal ranks.
 """
 from __future__ import annotations
 
@@ -21,7 +27,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-__all__ = ["EOD", "Corpus", "Windows", "default_corpus_files", "load_corpus", "make_global_batch", "pack"]
+import jax_cp
+from jax_cp import load_balance
+
+__all__ = ["EOD", "Corpus", "Windows", "default_corpus_files", "imbalance", "load_corpus", "make_global_batch", "pack",
+           "place", "plan_rows", "process_rows", "rank_pairs"]
 
 EOD = 256  # end of document; bytes are 0..255
 FIELDS = ("tokens", "labels", "positions", "segment_ids", "weights")
@@ -142,16 +152,91 @@ def _process_indices(sharding, global_shape) -> tuple[np.ndarray, ...]:
     return tuple(np.array(sorted(s), np.int64) for s in per_dim)
 
 
+def process_rows(sharding, batch: int, seq_len: int) -> np.ndarray:
+    """The global rows of a ``[batch, seq_len]`` batch that this process's devices hold (sorted)."""
+    return _process_indices(sharding, (batch, seq_len))[0]
+
+
+def place(local: dict[str, np.ndarray], sharding, batch: int, *, order: np.ndarray | None = None) -> dict:
+    """Global ``[batch, S]`` arrays from this process's rows (:func:`process_rows`, every column, natural order).
+
+    ``order`` (the natural index of the token at each slot) puts the columns in another order before
+    sharding: ``[S]`` every row alike (the dual-chunk order), ``[R, S]`` each local row its own (a
+    dispatch plan's ``perm`` of these rows); ``None`` keeps the natural order. Each process keeps
+    only the columns its devices hold.
+    """
+    R, S = local["tokens"].shape
+    _, cols = _process_indices(sharding, (batch, S))
+    if order is None:
+        idx = (slice(None), cols)
+    elif np.ndim(order) == 1:
+        idx = (slice(None), np.asarray(order)[cols])  # reordered column j holds natural column order[j]
+    else:
+        if np.shape(order) != (R, S):
+            raise ValueError(f"order.shape={np.shape(order)} must be [S]={S} or [rows, S]=({R}, {S}), the rows "
+                             "this process holds; plan these rows (or slice a global order by process_rows).")
+        idx = (np.arange(R)[:, None], np.asarray(order)[:, cols])  # row r's column j: natural order[r, j]
+    return {k: jax.make_array_from_process_local_data(sharding, v[idx], (batch, S)) for k, v in local.items()}
+
+
 def make_global_batch(windows: Windows, step: int, batch: int, sharding, *, order: np.ndarray | None = None):
     """The global ``[B, S]`` arrays of ``step``, each process building only its own rows and columns.
 
-    ``order`` is a permutation of the sequence (the load-balance order) applied
-    to every field before sharding; ``None`` keeps the natural order.
+    ``order`` is the load-balance order (natural index of the token at each slot) applied to every
+    field before sharding: ``[S]`` for every row, ``[B, S]`` per row (global rows: a process reads its
+    own); ``None`` keeps the natural order.
     """
-    shape = (batch, windows.seq_len)
-    rows, cols = _process_indices(sharding, shape)
-    local = windows.rows(step, batch, rows)
+    rows = process_rows(sharding, batch, windows.seq_len)
+    if order is not None and np.ndim(order) == 2:
+        if np.shape(order) != (batch, windows.seq_len):
+            raise ValueError(f"order.shape={np.shape(order)} must be [batch, seq_len]=({batch}, {windows.seq_len}) "
+                             f"or [seq_len]=({windows.seq_len},).")
+        order = np.asarray(order)[rows]
+    return place(windows.rows(step, batch, rows), sharding, batch, order=order)
+
+
+def plan_rows(local: dict[str, np.ndarray], mesh, rows: np.ndarray, batch: int) -> list[load_balance.Dispatch]:
+    """Dispatch plans of this process's rows ``rows`` of a global batch, one per dp shard, in row order.
+
+    ``local`` holds the rows' natural ``segment_ids`` and ``positions`` (every column). A process
+    holds whole dp shards, and each shard is planned on its own: its order depends on its rows only,
+    so every process holding (columns of) a shard plans it alike, without exchanging anything.
+    """
+    dims = jax_cp.mesh_dims(mesh)
+    per_shard = batch // dims.dp
+    rows, starts = np.asarray(rows), np.asarray(rows)[::per_shard]
+    whole = (len(rows) % per_shard == 0 and not np.any(starts % per_shard)
+             and np.array_equal(rows, (starts[:, None] + np.arange(per_shard)).reshape(-1)))
+    if not whole:
+        raise ValueError(f"rows={rows.tolist()} are not whole dp shards of {per_shard} rows (batch={batch}, "
+                         f"dp={dims.dp}); shard the batch axis over dp.")
+    one_shard = dataclasses.replace(dims, dp=1)
+    return [load_balance.plan(local["segment_ids"][r : r + per_shard], one_shard,
+                              positions=local["positions"][r : r + per_shard])
+            for r in range(0, len(rows), per_shard)]
+
+
+def rank_pairs(segment_ids: np.ndarray, order: np.ndarray | None, c: int) -> np.ndarray:
+    """Visible (query, key) pairs of each colossal rank's queries, ``[B, c]``, causal, for rows as
+    :func:`pack` makes them (each document one run of consecutive positions).
+
+    ``segment_ids`` ``[B, S]`` in natural order; ``order`` the natural index at each slot, ``[S]`` or
+    ``[B, S]`` (``None``: natural); rank ``i`` holds slots ``[i*S/c, (i+1)*S/c)``. O(B*S): a query
+    sees the keys of its run up to itself; ``load_balance.work`` counts the same from masks.
+    """
+    B, S = segment_ids.shape
+    new_run = np.concatenate([np.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    idx_BS = np.broadcast_to(np.arange(S), (B, S))
+    run_start_BS = np.maximum.accumulate(np.where(new_run, idx_BS, 0), axis=1)
+    seen_BS = np.where(segment_ids >= 0, idx_BS - run_start_BS + 1, 0)
     if order is not None:
-        cols = order[cols]  # reordered column j holds natural column order[j]
-    local = {k: v[:, cols] for k, v in local.items()}
-    return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local.items()}
+        seen_BS = np.take_along_axis(seen_BS, np.broadcast_to(order, (B, S)), axis=1)
+    return seen_BS.reshape(B, c, S // c).sum(axis=2, dtype=np.float64)
+
+
+def imbalance(pairs_BC: np.ndarray, dp: int) -> float:
+    """Slowest colossal rank over the mean, summed over each dp shard's rows, the worst shard
+    (as ``Dispatch.imbalance``; 1.0 is perfect)."""
+    per_shard = np.asarray(pairs_BC, np.float64).reshape(dp, -1, pairs_BC.shape[-1]).sum(axis=1)
+    mean = per_shard.mean(axis=1)
+    return float(np.max(np.where(mean > 0, per_shard.max(axis=1) / np.where(mean > 0, mean, 1.0), 1.0)))

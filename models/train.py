@@ -1,14 +1,17 @@
 """Trains the Llama-style model on a context-parallel mesh: ``python -m models.train --help``.
 
 One process or many (``--coordinator host:port --num-processes N --process-id i``,
-or a TPU pod's environment). Each step: the global batch (built per process,
-load-balanced along the sequence) -> loss and gradients (bfloat16 compute,
+or a TPU pod's environment). Each step: the global batch (built per process;
+its packed rows each put in the order a dispatch plan of the batch gives, so the
+CP ranks get equal attention work) -> loss and gradients (bfloat16 compute,
 float32 parameters) -> AdamW with gradient clipping and warmup + cosine decay.
-Writes ``OUT/metrics.jsonl``, ``OUT/loss.png``, ``OUT/summary.json`` and orbax
-checkpoints (atomic: a kill during a save leaves the previous one usable);
-``--resume`` continues from the latest one with the same data order.
-``--plan TOPOLOGY`` compiles one training step for a TPU topology ahead of time
-(libtpu wheel, no TPU needed) and prints its memory, collectives and overlap.
+Each step logs the slowest CP rank's attention work over the mean, for the order
+used and for the dual-chunk order of the same batch. Writes ``OUT/metrics.jsonl``,
+``OUT/loss.png``, ``OUT/summary.json`` and orbax checkpoints (atomic: a kill
+during a save leaves the previous one usable); ``--resume`` continues from the
+latest one with the same data order. ``--plan TOPOLOGY`` compiles one training
+step for a TPU topology ahead of time (libtpu wheel, no TPU needed) and prints
+its memory, collectives and overlap.
 """
 from __future__ import annotations
 
@@ -32,13 +35,13 @@ from tqdm import tqdm
 
 import jax_cp
 from jax_cp import load_balance
-from jax_cp._defaults import int_or_auto
 from models import data as data_lib
 from models.llama import Llama, Sharding, abstract_model, get_config, next_token_loss
 
-__all__ = ["TrainConfig", "main", "parse_args", "run"]
+__all__ = ["TrainConfig", "global_batch", "main", "parse_args", "run"]
 
 PROG = "python -m models.train"
+BALANCES = ("dispatch", "dual-chunk")  # --balance: a plan per batch (jax_cp.load_balance.plan), or one fixed order
 
 
 class UsageError(ValueError):
@@ -76,6 +79,7 @@ class TrainConfig:
     overlap_chunks: int | str = "auto"
     fused_qkv_chunks: int | str = "auto"
     load_balance: bool = True
+    balance: str = "dispatch"  # with load_balance: one of BALANCES
     logits_soft_cap: float | None = None  # every attention layer: logits -> c * tanh(logits / c)
     use_sinks: bool = False  # every attention layer: a learned sink logit per query head
     remat: bool = False
@@ -115,6 +119,8 @@ class TrainConfig:
             raise ValueError(f"--lr={self.lr} must be > 0.")
         if self.logits_soft_cap is not None and not self.logits_soft_cap > 0:
             raise ValueError(f"--logits-soft-cap={self.logits_soft_cap} must be > 0 (or left out: no cap).")
+        if self.balance not in BALANCES:
+            raise ValueError(f"--balance={self.balance!r} must be one of {BALANCES}.")
         if self.model not in CONFIGS:
             raise ValueError(f"--model={self.model!r} is unknown; choose one of {sorted(CONFIGS)}.")
         try:
@@ -147,6 +153,11 @@ class TrainConfig:
     @property
     def ckpt_dir(self) -> Path:
         return Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.out) / "checkpoints"
+
+
+def int_or_auto(text: str):
+    """``"auto"`` or an integer: the command-line type of the chunk options."""
+    return text if text == "auto" else int(text)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -185,6 +196,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="do not add jax_cp.plan's recommended XLA flags on TPU / GPU hosts")
     g.add_argument("--no-load-balance", dest="load_balance", action="store_false",
                    help="keep the natural sequence order (causal load balancing is on by default)")
+    g.add_argument("--balance", choices=BALANCES, default=d.balance,
+                   help="load-balance order: a dispatch plan per batch (equal attention work per CP rank on packed "
+                        "rows) or the fixed dual-chunk order (balanced for one document per row)")
     g.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
     g.add_argument("--logits-soft-cap", type=float, default=d.logits_soft_cap,
                    help="cap every attention logit to c*tanh(logits/c) (Gemma 2 style)")
@@ -262,7 +276,8 @@ class Setup:
     mesh: jax.sharding.Mesh
     train_windows: data_lib.Windows
     eval_windows: data_lib.Windows
-    order: np.ndarray | None  # load-balance permutation of the sequence
+    balance: str | None  # the order of the batches: one of BALANCES, or None (natural)
+    dual_chunk: np.ndarray | None  # the dual-chunk order [S] (natural index at each slot), where cp_colossal > 1
     batch_sharding: NamedSharding
 
 
@@ -286,10 +301,36 @@ def setup(cfg: TrainConfig, devices=None) -> Setup:
     corpus = data_lib.load_corpus(cfg.data)
     train_windows = data_lib.Windows(corpus.train, cfg.seq_len, cfg.seed)
     eval_windows = data_lib.Windows(corpus.eval, cfg.seq_len, seed=1_000_003)
-    order = None
-    if cfg.load_balance and dims.c > 1:
-        order = np.asarray(load_balance.positions(cfg.seq_len, mesh))  # natural index of each balanced slot
-    return Setup(mesh, train_windows, eval_windows, order, NamedSharding(mesh, Sharding().tokens_BS))
+    balance = cfg.balance if cfg.load_balance and dims.c > 1 else None
+    dual_chunk = None
+    if dims.c > 1 and cfg.seq_len % (2 * dims.c) == 0:
+        dual_chunk = np.asarray(load_balance.positions(cfg.seq_len, mesh))  # natural index of each balanced slot
+    return Setup(mesh, train_windows, eval_windows, balance, dual_chunk, NamedSharding(mesh, Sharding().tokens_BS))
+
+
+def global_batch(s: Setup, windows: data_lib.Windows, step: int, batch: int) -> tuple[dict, dict]:
+    """The global batch of ``step`` in the order of ``s.balance``, and what that order costs attention.
+
+    Returns ``(arrays, balance)``: ``balance["imbalance"]`` is the slowest CP rank's visible (query,
+    key) pairs over the mean (worst dp shard) in the order used, ``balance["imbalance_dual_chunk"]``
+    the same for the dual-chunk order of the same rows (``None`` where it does not exist), over this
+    process's dp shards. A dispatch plan reorders each row its own way: the arrays keep their shapes
+    and dtypes, so the step compiles once.
+    """
+    dims = jax_cp.mesh_dims(s.mesh)
+    rows = data_lib.process_rows(s.batch_sharding, batch, windows.seq_len)
+    local = windows.rows(step, batch, rows)
+    seg_RS, shards = local["segment_ids"], len(rows) * dims.dp // batch
+    measure = lambda order: data_lib.imbalance(data_lib.rank_pairs(seg_RS, order, dims.c), shards)
+    if s.balance == "dispatch":
+        plans = data_lib.plan_rows(local, s.mesh, rows, batch)  # one per dp shard
+        order, used = np.concatenate([d.perm for d in plans]), max(d.imbalance() for d in plans)
+    else:
+        order = s.dual_chunk if s.balance == "dual-chunk" else None
+        used = measure(order)
+    dual = None if s.dual_chunk is None else measure(s.dual_chunk)
+    return data_lib.place(local, s.batch_sharding, batch, order=order), {"imbalance": used,
+                                                                         "imbalance_dual_chunk": dual}
 
 
 def _check_batch(cfg: TrainConfig, dp: int) -> None:
@@ -502,11 +543,9 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
                   "nothing to do.")
         return {"start_step": start, "steps": cfg.steps, "losses": {}}
 
-    def batch_at(windows, step):
-        return data_lib.make_global_batch(windows, step, cfg.batch, s.batch_sharding, order=s.order)
-
     def evaluate(state):
-        losses = [eval_step(state, batch_at(s.eval_windows, i)) for i in range(cfg.eval_batches)]
+        batches = (global_batch(s, s.eval_windows, i, cfg.batch)[0] for i in range(cfg.eval_batches))
+        losses = [eval_step(state, batch) for batch in batches]
         num = sum(float(l) * float(c) for l, c in losses)
         return num / max(sum(float(c) for _, c in losses), 1.0)
 
@@ -518,13 +557,14 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
     _log(fh, {"event": "start", "step": start, "processes": jax.process_count(), "devices": jax.device_count(),
               "mesh": dataclasses.asdict(dims), "config": dataclasses.asdict(cfg)})
     tokens_per_step = cfg.batch * cfg.seq_len
-    losses, eval_loss, compile_s, timed_s = {}, None, None, 0.0
+    losses, eval_loss, compile_s, timed_s, balances = {}, None, None, 0.0, []
     bar = tqdm(total=cfg.steps, initial=start, disable=not (main_process and cfg.progress), dynamic_ncols=True,
                mininterval=1.0, file=sys.stderr, desc=f"train {cfg.model}")
     with jax.set_mesh(s.mesh):
         for step in range(start + 1, cfg.steps + 1):
             t_step = time.perf_counter()
-            state, metrics = train_step(state, batch_at(s.train_windows, step - 1))
+            batch, balance = global_batch(s, s.train_windows, step - 1, cfg.batch)
+            state, metrics = train_step(state, batch)
             loss = float(metrics["loss"])
             now = time.perf_counter()
             if compile_s is None:
@@ -534,9 +574,11 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
             losses[step] = loss
             tps = tokens_per_step * (step - start - 1) / timed_s if timed_s else None
             record = {"event": "train", "step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                      "lr": float(schedule(step - 1)), "step_s": now - t_step, "tokens_per_s": tps}
+                      "lr": float(schedule(step - 1)), "step_s": now - t_step, "tokens_per_s": tps, **balance}
             _log(fh, record)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps or 0:.0f}", refresh=False)
+            balances.append(balance)
+            bar.set_postfix({"loss": f"{loss:.3f}", "tok_s": f"{tps or 0:.0f}", **_balance_postfix(balance)},
+                            refresh=False)
             bar.update(1)
             if cfg.eval_batches and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
                 eval_loss = evaluate(state)
@@ -565,7 +607,10 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
         "eval_loss": eval_loss,
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step * n_timed / timed_s if n_timed else None,
-        "compile_s": compile_s, "wall_s": time.perf_counter() - t0, "losses": losses,
+        "compile_s": compile_s, "wall_s": time.perf_counter() - t0, "balance": s.balance,
+        "step_compiles": train_step._cache_size(),  # one: a second would mean a retrace of the step
+        **{f"{k}_mean": _mean([b[k] for b in balances]) for k in ("imbalance", "imbalance_dual_chunk")},
+        "losses": losses,
     }
     _log(fh, {"event": "end", **{k: v for k, v in summary.items() if k != "losses"}})
     if main_process:
@@ -573,6 +618,25 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         plot_losses(out / "metrics.jsonl", out / "loss.png")
     return summary
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def _balance_postfix(balance: dict) -> dict:
+    """Progress-bar fields: the slowest CP rank's attention work / mean, this order (and dual-chunk's)."""
+    dual = balance["imbalance_dual_chunk"]
+    return {"imbalance": f"{balance['imbalance']:.3f}" + ("" if dual is None else f" (dual-chunk {dual:.3f})")}
+
+
+def _balance_line(summary: dict) -> str:
+    """One line: the mean over the run of the slowest CP rank's attention work over the mean."""
+    dual = summary.get("imbalance_dual_chunk_mean")
+    return (f"attention work of the slowest CP rank / mean, over steps {summary['start_step'] + 1}-"
+            f"{summary['steps']}: {summary['imbalance_mean']:.4f} ({summary['balance'] or 'natural order'})"
+            + ("" if dual is None else f", dual-chunk order {dual:.4f}"))
 
 
 def read_metrics(path) -> tuple[dict[int, float], dict[int, float]]:
@@ -636,7 +700,9 @@ def main(argv=None) -> None:
               f"{summary['platform']} devices: loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
               + (f"eval {summary['eval_loss']:.3f}, " if summary["eval_loss"] is not None else "")
               + f"{summary['tokens_per_s'] or float('nan'):.0f} tokens/s, "
-              f"{summary['wall_s']:.0f} s (compile {summary['compile_s']:.0f} s); logs in {cfg.out}")
+              f"{summary['wall_s']:.0f} s (compile {summary['compile_s']:.0f} s, the step compiled "
+              f"{summary['step_compiles']} time(s)); logs in {cfg.out}")
+        print(_balance_line(summary))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ float32``) with the float32 tolerance; a resumed run is compared bit for bit.
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import shutil
@@ -44,6 +46,18 @@ def corpus(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("corpus")
     for i, f in enumerate(data_lib.default_corpus_files()[:12]):
         shutil.copy(f, folder / f"{i:02d}_{f.name}")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory) -> Path:
+    """Packed data: 300 documents of lognormal length (median 16 bytes) cut from standard-library text,
+    so a 32-token window holds several and the dual-chunk order leaves one CP rank more work."""
+    folder = tmp_path_factory.mktemp("short_docs")
+    text = b"".join(f.read_bytes() for f in data_lib.default_corpus_files()[:12])
+    lengths = np.clip(np.random.default_rng(0).lognormal(np.log(16), 1.0, 300).astype(int), 1, 128)
+    for i, (a, b) in enumerate(zip(np.cumsum(lengths) - lengths, np.cumsum(lengths))):
+        (folder / f"{i:03d}.txt").write_bytes(text[a:b])
     return folder
 
 
@@ -201,7 +215,119 @@ def test_global_batch_is_the_balanced_order_of_the_windows(corpus):
     assert not np.array_equal(other["tokens"], want["tokens"])
 
 
+def _short_windows(short_docs, seq_len=32) -> data_lib.Windows:
+    return data_lib.Windows(data_lib.load_corpus(short_docs).train, seq_len, seed=0)
+
+
+@needs_devices(8)
+def test_global_batch_in_the_dispatch_order_of_each_row(short_docs, monkeypatch):
+    """A per-row order ``[B, S]`` (a dispatch plan's ``perm``) puts each row's columns in its own order:
+    the batch equals the natural rows reordered by the ``Dispatch``. The trainer plans each dp shard on
+    its own and builds the batch in those plans' order. A process holding one dp shard and some
+    sequence columns (the multi-process path, with the process's indices substituted) plans its shard
+    as the whole batch's planning does and builds exactly its slice of the global batch."""
+    windows = _short_windows(short_docs)
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, dp=2, axis_types=AxisType.Auto)
+    sharding = NamedSharding(mesh, P("dp", ("cp_colossal", "cp_ulysses")))
+    B, S = 4, 32
+    natural = windows.rows(5, B, np.arange(B))
+    dispatch = jax_cp.load_balance.plan(natural["segment_ids"], mesh, positions=natural["positions"])
+    assert len({r.tobytes() for r in dispatch.perm}) == B, "each row should have its own order"
+    want, positions = dispatch.reorder(natural)
+    np.testing.assert_array_equal(want["positions"], positions)
+    got = data_lib.make_global_batch(windows, 5, B, sharding, order=dispatch.perm)
+    for k in data_lib.FIELDS:
+        np.testing.assert_array_equal(np.asarray(got[k]), want[k], err_msg=k)
+        assert got[k].sharding.is_equivalent_to(sharding, 2) and got[k].dtype == data_lib.FIELD_DTYPES[k]
+
+    plans = data_lib.plan_rows(natural, mesh, np.arange(B), B)
+    assert [d.perm.shape for d in plans] == [(2, S), (2, S)]
+    shard_want = [d.reorder({k: natural[k][2 * i : 2 * i + 2] for k in natural})[0] for i, d in enumerate(plans)]
+    dual = np.asarray(jax_cp.load_balance.positions(S, mesh))
+    setup = train.Setup(mesh, windows, windows, "dispatch", dual, sharding)
+    trained, balance = train.global_batch(setup, windows, 5, B)
+    for k in data_lib.FIELDS:
+        np.testing.assert_array_equal(np.asarray(trained[k]), np.concatenate([w[k] for w in shard_want]), err_msg=k)
+    dual_pairs = data_lib.rank_pairs(natural["segment_ids"], dual, 2)
+    assert balance == {"imbalance": max(d.imbalance() for d in plans),
+                       "imbalance_dual_chunk": data_lib.imbalance(dual_pairs, 2)}
+
+    rows, cols = np.array([2, 3]), np.arange(8, 24)  # dp shard 1; the columns of CP devices 1 and 2
+    monkeypatch.setattr(data_lib, "_process_indices", lambda sharding, shape: (rows, cols))
+    built = []
+    monkeypatch.setattr(jax, "make_array_from_process_local_data", lambda sharding, local, shape: built.append(local))
+    local = windows.rows(5, B, rows)
+    (mine,) = data_lib.plan_rows(local, mesh, rows, B)
+    np.testing.assert_array_equal(mine.perm, plans[1].perm)
+    data_lib.place(local, sharding, B, order=mine.perm)
+    for k, piece in zip(data_lib.FIELDS, built, strict=True):
+        np.testing.assert_array_equal(piece, shard_want[1][k][:, cols], err_msg=k)
+    with pytest.raises(ValueError, match=r"rows=\[1, 2\] are not whole dp shards of 2 rows \(batch=4, dp=2\)"):
+        data_lib.plan_rows(windows.rows(5, B, np.array([1, 2])), mesh, np.array([1, 2]), B)
+
+
+@needs_devices(8)
+def test_rank_pairs_count_what_load_balance_counts(short_docs):
+    """The trainer's O(B*S) count of each colossal rank's visible pairs on packed rows equals
+    ``load_balance.work`` (from masks) for the dual-chunk order and the plan's own count for its order."""
+    mesh = jax_cp.make_mesh(cp_colossal=4, dp=2, axis_types=AxisType.Auto)
+    natural = _short_windows(short_docs, seq_len=64).rows(0, 4, np.arange(4))
+    seg = natural["segment_ids"]
+    dual = np.asarray(jax_cp.load_balance.positions(64, mesh))
+    for shard in (slice(0, 2), slice(2, 4)):
+        w = jax_cp.load_balance.work(mesh, 64, is_causal=True, segment_ids=seg[shard], balanced=True)
+        np.testing.assert_array_equal(data_lib.rank_pairs(seg[shard], dual, 4).sum(axis=0), w)
+    dispatch = jax_cp.load_balance.plan(seg, mesh, positions=natural["positions"])
+    np.testing.assert_array_equal(data_lib.rank_pairs(seg, dispatch.perm, 4), dispatch.pairs)
+    assert data_lib.imbalance(dispatch.pairs, 2) == pytest.approx(dispatch.imbalance(), rel=1e-12)
+
+
 # ----------------------------------------------------------------------------- training
+
+
+class _CountCompiles(logging.Handler):
+    """Counts the compiles of a function named ``train_step`` while ``jax.log_compiles`` is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record):
+        self.count += bool(re.match(r"Compiling (jit\()?train_step\b", record.getMessage()))
+
+
+@needs_devices(8)
+def test_dispatch_plan_balances_packed_rows_and_trains_like_dual_chunk(short_docs, tmp_path):
+    """On packed rows, per step: the dispatch plan leaves the slowest CP rank <= 1.05x the mean attention
+    work and the dual-chunk order more, both logged; the step compiles once though every batch has its
+    own order; and the losses (train and held-out, float32) are the dual-chunk order's: each label
+    travels with its token, and attention takes the reordered per-document positions."""
+    common = dict(model="tiny", seq_len=32, batch=2, steps=4, warmup=1, dtype="float32", data=str(short_docs),
+                  cp_colossal=2, cp_ulysses=2, tp=2, checkpoint_every=0, eval_batches=1, eval_every=0,
+                  progress=False)
+    counter = _CountCompiles()
+    logging.getLogger("jax").addHandler(counter)
+    try:
+        with jax.log_compiles():
+            planned = train.run(train.TrainConfig(out=str(tmp_path / "dispatch"), **common))
+    finally:
+        logging.getLogger("jax").removeHandler(counter)
+    assert counter.count == 1, f"the step compiled {counter.count} times"
+    assert planned["step_compiles"] == 1  # what the run's closing line reports
+    dual = train.run(train.TrainConfig(balance="dual-chunk", out=str(tmp_path / "dual"), **common))
+    records = {name: [r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+                      if r["event"] == "train"] for name in ("dispatch", "dual")}
+    planned_imb = [r["imbalance"] for r in records["dispatch"]]
+    dual_imb = [r["imbalance_dual_chunk"] for r in records["dispatch"]]
+    assert len(planned_imb) == 4 and max(planned_imb) <= 1.05, planned_imb
+    assert np.mean(dual_imb) > np.mean(planned_imb) and max(dual_imb) > 1.05, (dual_imb, planned_imb)
+    assert [r["imbalance"] for r in records["dual"]] == [r["imbalance_dual_chunk"] for r in records["dual"]] == dual_imb
+    assert planned["balance"] == "dispatch" and planned["imbalance_mean"] == pytest.approx(np.mean(planned_imb))
+    assert planned["imbalance_dual_chunk_mean"] == pytest.approx(np.mean(dual_imb))
+    tol = TOL[jnp.dtype(jnp.float32)]
+    steps = sorted(dual["losses"])
+    np.testing.assert_allclose([planned["losses"][s] for s in steps], [dual["losses"][s] for s in steps], **tol)
+    np.testing.assert_allclose(planned["eval_loss"], dual["eval_loss"], **tol)
 
 
 @needs_devices(8)
@@ -271,9 +397,10 @@ def _two_processes(args, out, env, extra=()):
 
 @pytest.mark.slow
 @needs_devices(8)
-def test_two_processes_equal_one(corpus, cache_env, tmp_path):
-    """2 processes x 4 CPU devices (gloo over loopback) train exactly like 1 process x 8 devices."""
-    args = [*TWO, "--checkpoint-every", "2", "--data", corpus]
+def test_two_processes_equal_one(short_docs, cache_env, tmp_path):
+    """2 processes x 4 CPU devices (gloo over loopback) train exactly like 1 process x 8 devices, on packed
+    rows: each process holds half of every row's columns and plans the rows as the one process does."""
+    args = [*TWO, "--checkpoint-every", "2", "--data", short_docs]
     procs = _two_processes(args, tmp_path / "two", cache_env)
     one = train.run(train.parse_args([*map(str, args), "--out", str(tmp_path / "one"), "--checkpoint-every", "0",
                                       "--eval-batches", "0"]))
@@ -323,6 +450,8 @@ def test_a_dead_process_fails_the_other(corpus, cache_env, tmp_path):
                                               r"in this one process and trains nothing; drop --devices, --resume"),
     (["--plan", "v5e:2x4", "--resume"], r"--plan v5e:2x4 compiles one step .* drop --devices, --resume"),
     (["--logits-soft-cap", "0"], r"--logits-soft-cap=0.0 must be > 0 \(or left out: no cap\)"),
+    (["--balance", "zigzag"], r"argument --balance: invalid choice: 'zigzag' \(choose from '?dispatch'?, "
+                              r"'?dual-chunk'?\)"),
     (["--fsdp", "--fsdp-axes", "dp,tp"], r"--fsdp-axes=dp,tp: fsdp_axes=\('dp', 'tp'\) must be distinct names among "
                                          r"\('dp', 'cp_colossal', 'cp_ulysses'\)"),
 ])
