@@ -6,7 +6,7 @@ For each sequence length, one device's causal bf16 attention (Llama-3-8B heads: 
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)``, cuDNN's
   index-pattern causal mask (the ceiling a fused kernel is held to);
 - ``jax_cp auto``: ``jax_cp.dot_product_attention(..., is_causal=True)`` on a one-device mesh,
-  positions given (a masked call: what auto runs there, ``kernels.describe`` says which: the fused
+  positions given (a masked call: what auto runs there, ``jax_cp.describe_kernel`` says which: the fused
   Pallas kernel on a GPU);
 - ``jax_cp pallas_gpu``: the same, the fused Pallas GPU kernel explicitly (interpret mode off GPU);
 - ``jax_cp blockwise``: the portable kernel, explicitly.
@@ -104,7 +104,7 @@ def run(seq_lens, reps: int, peak_tflops: float) -> list[dict]:
 
 def markdown(rows: list[dict], peak_tflops: float) -> str:
     head = [f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
-            f"kernel auto picks: {kernels.describe(is_causal=True)}; peak {peak_tflops:g} TFLOP/s", "",
+            f"kernel auto picks: {jax_cp.describe_kernel(is_causal=True)}; peak {peak_tflops:g} TFLOP/s", "",
             "| S | implementation | pass | ms | TFLOP/s | share of peak | vs cuDNN |", "|---|---|---|---:|---:|---:|---:|"]
     cudnn = {(r["S"], r["pass_"]): r.get("tflops") for r in rows if r["impl"] == "cudnn"}
     lines = []

@@ -10,6 +10,7 @@ single-device ground truth); ``jax_cp.plan`` (the pod planner) is imported on us
 """
 from jax_cp import exchanges, kernels, linen, load_balance, reference
 from jax_cp._attention import dot_product_attention
+from jax_cp._defaults import describe_kernel
 from jax_cp._layer import AttentionSharding, param_shapes, param_specs
 from jax_cp._mesh import AXES, COLOSSAL, DP, TP, ULYSSES, MeshDims, gather, make_mesh, mesh_dims, place
 from jax_cp._module import CPAttention
@@ -19,7 +20,7 @@ from jax_cp._ulysses import heads_to_seq, seq_to_heads
 
 __all__ = [
     "AXES", "AttentionSharding", "AttentionSpec", "COLOSSAL", "CPAttention", "DP", "MeshDims", "TP", "ULYSSES",
-    "apply_rope", "dot_product_attention", "exchanges", "gather", "heads_to_seq", "kernels", "linen", "load_balance",
+    "apply_rope", "describe_kernel", "dot_product_attention", "exchanges", "gather", "heads_to_seq", "kernels", "linen", "load_balance",
     "make_mesh", "mesh_dims", "param_shapes", "param_specs", "place", "reference", "rms_norm", "seq_to_heads",
 ]
 __version__ = "0.1.0"

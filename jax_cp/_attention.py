@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jax_cp import kernels
 from jax_cp._blockwise import check_sinks
 from jax_cp._checks import refuse_dense
 from jax_cp._defaults import AUTO
@@ -25,7 +26,6 @@ from jax_cp._body import (GivenQKV, attention_shard, check_dtype, kernel_for_dty
                           shard_call, shard_meta)
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place
 from jax_cp._spec import AttentionSpec, check_seq_batch
-from jax_cp._kernels import KERNELS
 
 __all__ = ["dot_product_attention", "LAYOUTS"]
 
@@ -65,22 +65,11 @@ def _check_qkv(query, key, value, layout):
     return query, key, value
 
 
-# jax.nn.dot_product_attention's ``implementation=`` values and the jax_cp kernel each names.
-IMPLEMENTATIONS = {None: "auto", "xla": "xla", "cudnn": "cudnn"}
-
-
-def _check_jax_nn_arguments(bias, mask, implementation, kernel) -> str:
+def _check_jax_nn_arguments(bias, mask, implementation, kernel):
     """jax.nn's arguments: ``bias``/``mask`` refused with the data-driven alternative; ``implementation``
     mapped to ``kernel`` (one of the two)."""
     refuse_dense(bias, mask)
-    if implementation is None:
-        return kernel
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r} must be one of {tuple(IMPLEMENTATIONS)} (jax.nn's values; "
-                         f"or pass kernel=, one of {KERNELS}).")
-    if kernel != "auto":
-        raise ValueError(f"implementation={implementation!r} and kernel={kernel!r} both choose the kernel; pass one.")
-    return IMPLEMENTATIONS[implementation]
+    return kernels.from_implementation(implementation, kernel)
 
 
 def dot_product_attention(

@@ -22,15 +22,11 @@ from jax import lax
 from jax_cp._masks import Window, normalize_window, visible
 from jax_cp._platform import target_platform
 
-__all__ = ["blockwise_attention", "Spec", "Meta", "FUSED", "make_spec", "acc_dtype", "auto_blocks", "check_block",
+__all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "acc_dtype", "auto_blocks", "check_block",
            "check_soft_cap", "check_sinks", "varying_sinks", "fold_sinks", "merge_softmax", "head_max", "sinks_grad",
            "forward", "backward", "varying", "vary_as", "vma", "NEG"]
 
 NEG = -1e30  # finite minus-infinity: masked scores, and the lse of rows that see no key
-# Kernels that run this algorithm as fused code of their own: name -> (forward, backward), same
-# contracts as ``forward``/``backward``. Each registers itself when imported (``_pallas_gpu``), so
-# this floor imports none of them and ``Spec.kernel`` names which one computes.
-FUSED: dict = {}
 _IMAX, _IMIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
 
 
@@ -60,7 +56,9 @@ class Spec:
     soft_cap: float | None = None  # logits -> soft_cap * tanh(logits / soft_cap), before the mask
     max_logits: bool = False  # forward also returns each row's largest visible logit
     residual: bool = False  # the attention also returns its log-sum-exp (differentiable)
-    kernel: str = "blockwise"  # who computes forward/backward: this module, or a FUSED kernel
+    # (forward, backward) of a kernel running this algorithm as fused code of its own (the Pallas GPU
+    # kernel, which hands them in), with the contracts of ``forward``/``backward``; None: this module.
+    fused: tuple | None = None
 
     def logits_and_slope(self, s):
         """``(logits, d logits / d s)`` of the raw scores ``s``: scaled, then soft-capped if set (one
@@ -91,11 +89,11 @@ def check_soft_cap(value) -> float | None:
 
 def make_spec(head_dim: int, *, is_causal=False, local_window_size=None, scale=None,
               block_q: int | None = None, block_kv: int | None = None, logits_soft_cap=None,
-              return_max_logits: bool = False, return_residual: bool = False, kernel: str = "blockwise") -> Spec:
+              return_max_logits: bool = False, return_residual: bool = False, fused: tuple | None = None) -> Spec:
     return Spec(bool(is_causal), normalize_window(local_window_size),
                 float(head_dim**-0.5 if scale is None else scale),
                 check_block("block_q", block_q), check_block("block_kv", block_kv),
-                check_soft_cap(logits_soft_cap), bool(return_max_logits), bool(return_residual), kernel)
+                check_soft_cap(logits_soft_cap), bool(return_max_logits), bool(return_residual), fused)
 
 
 # The default blocks, measured (benchmarks/kernel_speed.py, RESULTS "Local attention kernels"): on
@@ -414,10 +412,10 @@ def forward(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, state=None):
 
     ``state=(o, lse)`` of earlier keys continues that softmax (the ring's merge,
     without a second output buffer); the max covers this call's keys only.
-    Another ``spec.kernel`` (``FUSED``: the Pallas GPU kernel) computes it with the same contract.
+    With ``spec.fused`` (the Pallas GPU kernel) that kernel computes it, with the same contract.
     """
-    if spec.kernel != Spec.kernel:
-        return FUSED[spec.kernel][0](q_BTHd, k_BSKd, v_BSKd, qm, km, spec, state)
+    if spec.fused is not None:
+        return spec.fused[0](q_BTHd, k_BSKd, v_BSKd, qm, km, spec, state)
     T, S = q_BTHd.shape[1], k_BSKd.shape[1]
     bq, Tp, bk, Sp = _padded_blocks(spec, q_BTHd, k_BSKd)
     if state is not None:
@@ -434,8 +432,8 @@ def backward(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm: Meta, km: 
     ``delta`` and summing gives the full gradient (what the ring does; ``dq``
     is added to, in place).
     """
-    if spec.kernel != Spec.kernel:
-        return FUSED[spec.kernel][1](q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spec, dq)
+    if spec.fused is not None:
+        return spec.fused[1](q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spec, dq)
     T, S = q_BTHd.shape[1], k_BSKd.shape[1]
     bq, Tp, bk, Sp = _padded_blocks(spec, q_BTHd, k_BSKd)
     dq, dk, dv = _bwd_padded(_pad(q_BTHd, Tp), _pad(k_BSKd, Sp), _pad(v_BSKd, Sp), _pad(do_BTHd, Tp),
@@ -499,7 +497,7 @@ def blockwise_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     is_causal=False, local_window_size=None, scale=None, block_q: int | None = None, block_kv: int | None = None,
     logits_soft_cap: float | None = None, sinks=None, return_max_logits: bool = False, return_residual: bool = False,
-    kernel: str = "blockwise",
+    fused: tuple | None = None,
 ):
     """Masked attention with memory linear in ``S``; same contract as ``dense_attention``.
 
@@ -514,12 +512,12 @@ def blockwise_attention(
     2), with its exact gradient. ``block_q``/``block_kv`` default to ``auto_blocks`` (from the
     batch, the heads and the platform). Block sizes are clamped to the sequence; lengths they do
     not divide are padded with masked tokens. Fully masked blocks are skipped (causal costs
-    about half); rows that see no key return zeros with zero gradients. ``kernel="pallas_gpu"``
-    runs the same algorithm as one fused Pallas GPU kernel (``jax_cp._pallas_gpu``).
+    about half); rows that see no key return zeros with zero gradients. ``fused=(forward, backward)``
+    runs the same algorithm as fused code of another kernel's (the Pallas GPU kernel's).
     """
     spec = make_spec(q_BTHd.shape[-1], is_causal=is_causal, local_window_size=local_window_size,
                      scale=scale, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap,
-                     return_max_logits=return_max_logits, return_residual=return_residual, kernel=kernel)
+                     return_max_logits=return_max_logits, return_residual=return_residual, fused=fused)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must both be given or both be None.")
     i32 = lambda a: None if a is None else jnp.asarray(a, jnp.int32)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_cp import kernels
 from jax_cp._mesh import COLOSSAL, DP, ULYSSES, place
 from jax_cp._ulysses import heads_to_seq, seq_to_heads
 from jax_cp.exchanges import Meta
@@ -134,14 +135,14 @@ def check_dtype(name: str, dtype) -> None:
                          "(float32, bfloat16, float16, float64 with jax_enable_x64); cast first, e.g. x.astype(jnp.float32).")
 
 
-def kernel_for_dtype(kernel: str, dtype, argument: str = "kernel") -> str:
+def kernel_for_dtype(kernel, dtype, argument: str = "kernel"):
     """The kernel for inputs of ``dtype``: float64 (``jax_enable_x64``) runs blockwise, whose
     accumulators follow the inputs (``"auto"`` picks it); the other kernels compute in float32 and
     would round float64 silently, so naming one is refused (``argument``: the parameter that named it)."""
-    if jnp.dtype(dtype) != jnp.float64 or kernel == "blockwise":
+    if jnp.dtype(dtype) != jnp.float64 or kernel == kernels.BLOCKWISE:
         return kernel
-    if kernel == "auto":
-        return "blockwise"
+    if kernel == kernels.AUTO:
+        return kernels.BLOCKWISE
     raise ValueError(f"{argument}={kernel!r} computes in float32, so float64 inputs (jax_enable_x64) would lose "
                      "precision silently; use kernel='blockwise' or 'auto' (float64 computed in float64), or cast "
                      "the inputs to float32.")

@@ -36,12 +36,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_cp import _kernels
 from jax_cp._blockwise import fold_sinks
 from jax_cp._body import attention_shard, check_metadata, shard_call, shard_meta
 from jax_cp._layer import compute_specs, layer_call
 from jax_cp._masks import normalize_window, visible
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place, seq_chunk
+from jax_cp._platform import target_platform
 from jax_cp._projection import LinearProjections, _local_kv, _per_token, _proj
 from jax_cp._spec import Layout, lcm
 
@@ -224,7 +224,7 @@ def attend_cache(q_BTHd, k_BSKd, v_BSKd, q_pos_BT, k_pos_BS, spec, form: str | N
     compiler feeds the matmul from the cache's own layout; the TPU schedule's temporaries stay below
     one layer's keys) or ``"reduce"`` (CPU, where a dot would lay the cache out anew: fused
     multiply-reductions instead). ``None``: by the target platform."""
-    form = form or ("reduce" if _kernels.target_platform() == "cpu" else "dot")
+    form = form or ("reduce" if target_platform() == "cpu" else "dot")
     B, T, H, d = q_BTHd.shape
     K = k_BSKd.shape[2]
     scale = d**-0.5 if spec.scale is None else spec.scale

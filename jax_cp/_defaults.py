@@ -16,12 +16,12 @@ import re
 
 import jax.numpy as jnp
 
-from jax_cp import _kernels, exchanges
+from jax_cp import exchanges, kernels as _kernels
 from jax_cp._chips import CHIPS
 from jax_cp._masks import Window, normalize_window
 from jax_cp.exchanges import AllGather, AllToAll, KVExchange, Ring
 
-__all__ = ["AUTO", "Choice", "choose", "chip_of", "describe", "int_or_auto", "MEASURED_AT", "RULES", "SPLASH_RULES",
+__all__ = ["AUTO", "Choice", "choose", "chip_of", "describe_kernel", "int_or_auto", "MEASURED_AT", "RULES", "SPLASH_RULES",
            "SPLASH_LONG_RULES"]
 
 AUTO = "auto"
@@ -128,7 +128,7 @@ def _divisor_at_most(n: int, limit: int) -> int:
 
 def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads: int,
            kv_bytes_per_device: float | None = None, hbm_bytes: float | None = None,
-           kernel: str = "blockwise", tokens_per_device: int | None = None) -> Choice:
+           kernel=_kernels.BLOCKWISE, tokens_per_device: int | None = None) -> Choice:
     """The grouping for a layout (pure: no devices needed; tests call it per platform and layout).
 
     ``kv_bytes_per_device``: all-gathered K/V of one layer on one device; with
@@ -144,7 +144,7 @@ def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads
     kind = "ulysses" if c == 1 else "colossal" if u == 1 else "hybrid"
     known = chip if chip in RULES else TPU_FALLBACK
     table = RULES[known]
-    if kernel == "splash":
+    if kernel == _kernels.SPLASH:
         table = table | SPLASH_RULES.get(known, {})
         long = SPLASH_LONG_RULES.get(known, {}).get(kind)
         if long and tokens_per_device and tokens_per_device >= long[0]:
@@ -164,10 +164,10 @@ def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads
     return Choice(exchange, n, fused, why, claim, MEASURED_AT[known] if claim else "")
 
 
-def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=None,
-             is_causal: bool = False, local_window_size: Window = None, has_segments: bool = False,
-             dtype=jnp.bfloat16, head_dim: int = 128, logits_soft_cap=None, use_sinks: bool = False,
-             record_max_logits: bool = False, kv_len: int | None = None) -> str:
+def describe_kernel(*, kernel=_kernels.AUTO, platform: str | None = None, kv_exchange=None,
+                    is_causal: bool = False, local_window_size: Window = None, has_segments: bool = False,
+                    dtype=jnp.bfloat16, head_dim: int = 128, logits_soft_cap=None, use_sinks: bool = False,
+                    record_max_logits: bool = False, kv_len: int | None = None) -> str:
     """One line: the kernel a call runs on ``platform`` (default: the default backend) and why.
 
     ``kv_exchange``: a ``jax_cp.exchanges`` value or name (default: the default exchange).
@@ -178,21 +178,22 @@ def describe(*, kernel: str = "auto", platform: str | None = None, kv_exchange=N
     its ``ValueError``.
     """
     exchange = exchanges.resolve(exchanges.DEFAULT if kv_exchange is None else kv_exchange)
+    kernel = _kernels.resolve(kernel)
     exchange.check_kernel(kernel)  # e.g. the ring refuses kernels without a log-sum-exp
     platform = platform or _kernels.target_platform()
     window = normalize_window(local_window_size)
     needs = dict(is_causal=is_causal, window=window, has_segments=has_segments, dtype=dtype, head_dim=head_dim,
                  soft_cap=logits_soft_cap is not None, sinks=use_sinks, max_logits=record_max_logits)
     chosen = _kernels.select_kernel(kernel, platform=platform, **needs, kv_len=kv_len)
-    if kernel != "auto":
+    if kernel != _kernels.AUTO:
         return f"{chosen} (explicit)"
     runs, why = exchange.step_kernel(chosen)
     if why:
         return f"{runs} (auto on {platform} with kv_exchange={exchange.name!r}: {why})"
-    if chosen == "blockwise":
-        why = {"tpu": _kernels.splash_unsupported_reason(window=window, kv_len=kv_len, max_logits=record_max_logits),
-               "gpu": _kernels.pallas_gpu_unsupported_reason(head_dim=head_dim)}.get(platform)
+    if chosen == _kernels.BLOCKWISE:
+        why = {"tpu": _kernels.SPLASH.unsupported_reason(window=window, kv_len=kv_len, max_logits=record_max_logits),
+               "gpu": _kernels.PALLAS_GPU.unsupported_reason(head_dim=head_dim)}.get(platform)
         return f"blockwise (auto on {platform}" + (f": {why})" if why else ": the portable kernel)")
-    if chosen == "pallas_gpu":
-        return f"pallas_gpu (auto on gpu: {_kernels.cudnn_unsupported_reason(**needs)})"
+    if chosen == _kernels.PALLAS_GPU:
+        return f"pallas_gpu (auto on gpu: {_kernels.CUDNN.unsupported_reason(**needs)})"
     return f"{chosen} (auto on {platform})"

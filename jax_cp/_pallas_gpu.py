@@ -289,6 +289,3 @@ def backward(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm: bw.Meta, k
     dq_, dk, dv_ = _bwd_call(st, q, k, v, do, stat(lse_BTH, NEG), stat(delta_BTH, 0.0), qpos, kpos, qseg, kseg)
     dq_ = dq_[:, :T, :, :d]
     return (dq_ if dq is None else dq + dq_), dk[:, :S, :, :d], dv_[:, :S, :, :dv]
-
-
-bw.FUSED["pallas_gpu"] = (forward, backward)  # blockwise runs these for Spec(kernel="pallas_gpu")

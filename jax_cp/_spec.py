@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_cp import exchanges as _exchanges
-from jax_cp import _kernels
+from jax_cp import kernels as _kernels
 from jax_cp._chips import CHIPS
 from jax_cp._checks import check_positive_fields, check_positive_int
 from jax_cp._defaults import AUTO, Choice, chip_of, choose
@@ -98,7 +98,7 @@ class AttentionSpec:
             raise ValueError(f"rope_theta={self.rope_theta} needs rope_theta > 0 and an even head_dim "
                              f"(got {self.head_dim}).")
         set_("local_window_size", normalize_window(self.local_window_size))
-        _kernels.check_kernel(self.kernel)
+        set_("kernel", _kernels.resolve(self.kernel))
         _kernels.check_block("block_q", self.block_q)
         _kernels.check_block("block_kv", self.block_kv)
         set_("logits_soft_cap", _kernels.check_soft_cap(self.logits_soft_cap))
@@ -162,12 +162,13 @@ class AttentionSpec:
             f = min(c.fused_qkv_chunks, n) if ex.fuses_qkv else 0
         return self.replace(kv_exchange=ex, overlap_chunks=n, fused_qkv_chunks=f), c
 
-    def _tpu_kernel(self, platform: str) -> str:
+    def _tpu_kernel(self, platform: str) -> _kernels.Kernel:
         """The local kernel the layer runs on ``platform`` as the rule sees it: splash where ``auto`` (or
         an explicit ``"splash"``) runs it on a TPU, else blockwise (the schedules differ: separate rules)."""
-        splash = _kernels.splash_unsupported_reason(window=self.local_window_size, max_logits=self.record_max_logits,
+        splash = _kernels.SPLASH.unsupported_reason(window=self.local_window_size, max_logits=self.record_max_logits,
                                                     residual=self.return_residual) is None
-        return "splash" if platform == "tpu" and self.kernel in ("auto", "splash") and splash else "blockwise"
+        runs_splash = platform == "tpu" and self.kernel in (AUTO, _kernels.SPLASH) and splash
+        return _kernels.SPLASH if runs_splash else _kernels.BLOCKWISE
 
     def layout(self, dims: MeshDims) -> "Layout":
         """How the heads land on a mesh of ``dims``; a ValueError when they do not divide."""

@@ -65,11 +65,11 @@ def test_example_model_uses_the_library():
 # The floors of jax_cp, ground first: a module imports modules of its own floor or lower ones only
 # (imports inside functions included), and no import circle closes anywhere.
 FLOORS = (
-    ("facts and metadata", ("_platform", "_chips", "_checks", "_masks", "_posenc", "_ulysses", "_mesh", "_cudnn",
-                            "_dense", "_dispatch")),
-    ("kernels", ("_blockwise", "_splash", "_pallas_gpu", "_kernels")),
+    ("facts and metadata", ("_platform", "_chips", "_checks", "_masks", "_posenc", "_ulysses", "_mesh", "_dense",
+                            "_dispatch")),
+    ("kernels", ("_blockwise", "_splash", "_pallas_gpu", "kernels")),
     ("per-shard steps", ("exchanges", "_projection", "load_balance")),
-    ("the rule", ("_defaults", "_spec", "kernels")),
+    ("the rule", ("_defaults", "_spec")),
     ("entry points", ("_body", "_layer", "_attention", "_decode", "reference")),
     ("flax faces", ("_module", "linen", "__init__")),
     ("the planner", ("plan",)),
@@ -142,7 +142,7 @@ from flax import nnx
 import jax_cp
 m = jax_cp.CPAttention(4, 16, mesh=jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2), is_causal=True, rngs=nnx.Rngs(0))
 y = m(jnp.ones((1, 8, 16)))
-print(jax_cp.kernels.describe(), sorted(k for k in sys.modules if k.startswith("jax_cp.plan")))
+print(jax_cp.describe_kernel(), sorted(k for k in sys.modules if k.startswith("jax_cp.plan")))
 """
     out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -180,7 +180,7 @@ def test_models_benchmarks_and_notebooks_use_public_names_only():
 
 
 PER_SHARD = ("_body.py", "_projection.py", "_decode.py", "_layer.py", "_blockwise.py", "_splash.py", "_pallas_gpu.py",
-             "_kernels.py", "_ulysses.py", "exchanges")
+             "kernels", "_ulysses.py", "exchanges")
 MUTATORS = {"append", "extend", "insert", "pop", "update", "setdefault", "add", "clear", "remove"}
 
 
@@ -205,4 +205,25 @@ def test_no_per_shard_class_holds_state_that_traced_code_mutates():
     paths = [p for p in _files("jax_cp") if any(part in PER_SHARD for part in p.relative_to(ROOT).parts)]
     assert len(paths) >= 12, paths
     found = [f"{p.relative_to(REPO)}: {m}" for p in paths for m in _mutations(p)]
+    assert not found, found
+
+
+KERNEL_NAMES = set(jax_cp.kernels.KERNELS) - {"auto"}
+
+
+def _string_constants(path: pathlib.Path):
+    """Every string constant of ``path`` but the docstrings."""
+    tree = ast.parse(path.read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_kernel_names_live_only_in_the_kernel_folder():
+    """Kernels are values: outside ``jax_cp/kernels/`` (which holds ``resolve``, the one place a name
+    becomes a value) no code names a kernel by a string."""
+    assert KERNEL_NAMES == {"blockwise", "xla", "splash", "cudnn", "pallas_gpu"}
+    found = [f"{p.relative_to(REPO)}:{n.lineno}: {n.value!r}" for p in _files("jax_cp", "models")
+             if ROOT / "kernels" not in p.parents for n in _string_constants(p) if n.value in KERNEL_NAMES]
     assert not found, found

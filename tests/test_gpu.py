@@ -45,9 +45,9 @@ def test_auto_kernel_on_this_device():
     """What ``auto`` runs here (cuDNN on a GPU for unmasked bfloat16, else blockwise) equals the reference."""
     q, k, v, ct = random_qkv(B, S, H, K, d, jnp.bfloat16, seed=6)
     f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=_one_device())
-    assert_matches(f, reference.dot_product_attention, (q, k, v), ct, jnp.bfloat16, kernels.describe())
+    assert_matches(f, reference.dot_product_attention, (q, k, v), ct, jnp.bfloat16, jax_cp.describe_kernel())
     expected = "cudnn (auto on gpu)" if jax.default_backend() in ("cuda", "rocm", "gpu") else "blockwise"
-    assert kernels.describe().startswith(expected)
+    assert jax_cp.describe_kernel().startswith(expected)
 
 
 def test_auto_runs_the_fused_kernel_under_masks_on_a_gpu():
@@ -57,9 +57,9 @@ def test_auto_runs_the_fused_kernel_under_masks_on_a_gpu():
     kw = _masks("documents")
     f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=_one_device(), **kw)
     ref = lambda q, k, v: reference.dot_product_attention(q, k, v, **kw)
-    assert_matches(f, ref, (q, k, v), ct, jnp.bfloat16, kernels.describe(is_causal=True, has_segments=True))
+    assert_matches(f, ref, (q, k, v), ct, jnp.bfloat16, jax_cp.describe_kernel(is_causal=True, has_segments=True))
     gpu = kernels.target_platform() == "gpu"
-    assert kernels.describe(is_causal=True).startswith("pallas_gpu" if gpu else "blockwise")
+    assert jax_cp.describe_kernel(is_causal=True).startswith("pallas_gpu" if gpu else "blockwise")
 
 
 def test_cudnn_kernel_needs_a_gpu_and_matches_the_reference():

@@ -278,21 +278,21 @@ def test_splash_compiles_for_tpu():
 
 
 def test_describe_says_what_auto_chose_and_why():
-    assert kernels.describe(platform="tpu", kv_exchange="ring", is_causal=True) == "splash (auto on tpu)"
-    assert kernels.describe(platform="tpu", is_causal=True, local_window_size=(128, 0)) == "splash (auto on tpu)"
-    assert kernels.describe(platform="tpu", is_causal=True, local_window_size=(128, 0), kv_len=131072).startswith(
+    assert jax_cp.describe_kernel(platform="tpu", kv_exchange="ring", is_causal=True) == "splash (auto on tpu)"
+    assert jax_cp.describe_kernel(platform="tpu", is_causal=True, local_window_size=(128, 0)) == "splash (auto on tpu)"
+    assert jax_cp.describe_kernel(platform="tpu", is_causal=True, local_window_size=(128, 0), kv_len=131072).startswith(
         "blockwise (auto on tpu: local_window_size=(128, 0) over 131072 keys in one kernel call")
-    assert kernels.describe(platform="gpu", kv_exchange="ring") == (
+    assert jax_cp.describe_kernel(platform="gpu", kv_exchange="ring") == (
         "pallas_gpu (auto on gpu with kv_exchange='ring': the ring's steps merge log-sum-exps, "
         "which cuDNN does not return)")
-    assert kernels.describe(platform="gpu") == "cudnn (auto on gpu)"
-    assert kernels.describe(platform="cpu") == "blockwise (auto on cpu: the portable kernel)"
-    assert kernels.describe(kernel="splash", platform="tpu") == "splash (explicit)"
+    assert jax_cp.describe_kernel(platform="gpu") == "cudnn (auto on gpu)"
+    assert jax_cp.describe_kernel(platform="cpu") == "blockwise (auto on cpu: the portable kernel)"
+    assert jax_cp.describe_kernel(kernel="splash", platform="tpu") == "splash (explicit)"
     with pytest.raises(ValueError, match=r"kernel='xla' cannot run kv_exchange='ring'"):
-        kernels.describe(kernel="xla", kv_exchange="ring")
-    assert kernels.describe(kernel="splash", platform="tpu", local_window_size=(4, 0)) == "splash (explicit)"
+        jax_cp.describe_kernel(kernel="xla", kv_exchange="ring")
+    assert jax_cp.describe_kernel(kernel="splash", platform="tpu", local_window_size=(4, 0)) == "splash (explicit)"
     with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this call: local_window_size=\(4, 0\) over"):
-        kernels.describe(kernel="splash", platform="tpu", local_window_size=(4, 0), kv_len=10**5)
+        jax_cp.describe_kernel(kernel="splash", platform="tpu", local_window_size=(4, 0), kv_len=10**5)
 
 
 def test_splash_needs_its_private_entry_points(monkeypatch):
@@ -313,7 +313,7 @@ def test_splash_needs_its_private_entry_points(monkeypatch):
     monkeypatch.setattr(_splash, "unavailable_reason", lambda: why)
     mask = dict(is_causal=True, window=None, has_segments=False, dtype=BF16, head_dim=128)
     assert kernels.select_kernel("auto", platform="tpu", **mask) == "blockwise"
-    assert kernels.describe(platform="tpu", kv_exchange="ring") == f"blockwise (auto on tpu: {why})"
+    assert jax_cp.describe_kernel(platform="tpu", kv_exchange="ring") == f"blockwise (auto on tpu: {why})"
     with pytest.raises(ValueError, match=r"kernel='splash' cannot serve this call: this JAX \(9\.9\)"):
         kernels.select_kernel("splash", platform="tpu", **mask)
 

@@ -126,10 +126,10 @@ def test_kernels_without_the_statistic_say_so():
                                          r"\(record_max_logits\) is not among the splash kernel's outputs"):
         kernels.select_kernel("splash", platform="tpu", is_causal=True, window=None, has_segments=False,
                               dtype=jnp.bfloat16, head_dim=64, max_logits=True)
-    assert kernels.describe(platform="tpu", record_max_logits=True) == (
+    assert jax_cp.describe_kernel(platform="tpu", record_max_logits=True) == (
         "blockwise (auto on tpu: the max-logit statistic (record_max_logits) is not among the splash kernel's "
         "outputs)")
-    assert kernels.describe(platform="gpu", record_max_logits=True).startswith(
+    assert jax_cp.describe_kernel(platform="gpu", record_max_logits=True).startswith(
         "pallas_gpu (auto on gpu: jax.nn.dot_product_attention's cuDNN path does not return the max-logit")
     mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2)
     q, k, v, _ = random_qkv(B, S, H, 2, d)

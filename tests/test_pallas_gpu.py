@@ -79,9 +79,9 @@ def test_kernels_lower_to_triton_for_cuda():
     seg = jnp.where(jnp.arange(96) < 40, 0, 1)
 
     def loss(q, k, v):
-        o = jax_cp.kernels.blockwise_attention(q, k, v, q_positions=jnp.arange(96), kv_positions=jnp.arange(96),
-                                               q_segment_ids=seg, kv_segment_ids=seg, is_causal=True,
-                                               local_window_size=(32, 0), logits_soft_cap=30.0, kernel="pallas_gpu")
+        o = jax_cp.kernels.PALLAS_GPU.attend(q, k, v, q_positions=jnp.arange(96), kv_positions=jnp.arange(96),
+                                             q_segment_ids=seg, kv_segment_ids=seg, is_causal=True,
+                                             local_window_size=(32, 0), logits_soft_cap=30.0)
         return jnp.sum(o.astype(jnp.float32))
 
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
@@ -100,8 +100,8 @@ def test_auto_picks_it_on_a_gpu_for_every_mask_cudnn_cannot_state():
     assert sel() == "cudnn"
     assert sel(is_causal=True) == sel(has_segments=True) == sel(window=(128, 0)) == "pallas_gpu"
     assert sel(is_causal=True, head_dim=512) == "blockwise"
-    assert kernels.describe(platform="gpu", is_causal=True).startswith("pallas_gpu (auto on gpu: is_causal=True")
-    assert kernels.describe(platform="gpu", is_causal=True, kv_exchange="ring").startswith("pallas_gpu (auto on gpu")
+    assert jax_cp.describe_kernel(platform="gpu", is_causal=True).startswith("pallas_gpu (auto on gpu: is_causal=True")
+    assert jax_cp.describe_kernel(platform="gpu", is_causal=True, kv_exchange="ring").startswith("pallas_gpu (auto on gpu")
     with pytest.raises(ValueError, match=r"kernel='pallas_gpu' cannot serve this call: head_dim=512 is above"):
         kernels.select_kernel("pallas_gpu", platform="gpu", is_causal=True, window=None, has_segments=False,
                               dtype=jnp.bfloat16, head_dim=512)

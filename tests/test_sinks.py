@@ -192,7 +192,7 @@ def test_cudnn_cannot_take_sinks_and_auto_says_so():
     with pytest.raises(ValueError, match=r"kernel='cudnn' cannot serve this call: attention sinks are not an option"):
         kernels.select_kernel("cudnn", platform="gpu", is_causal=False, window=None, has_segments=False,
                               dtype=jnp.bfloat16, head_dim=64, sinks=True)
-    assert kernels.describe(platform="gpu", use_sinks=True) == (
+    assert jax_cp.describe_kernel(platform="gpu", use_sinks=True) == (
         "pallas_gpu (auto on gpu: attention sinks are not an option of jax.nn.dot_product_attention's cuDNN path)")
-    assert kernels.describe(platform="tpu", use_sinks=True) == "splash (auto on tpu)"
-    assert kernels.describe(platform="tpu", use_sinks=True, kv_exchange="ring") == "splash (auto on tpu)"
+    assert jax_cp.describe_kernel(platform="tpu", use_sinks=True) == "splash (auto on tpu)"
+    assert jax_cp.describe_kernel(platform="tpu", use_sinks=True, kv_exchange="ring") == "splash (auto on tpu)"

@@ -100,7 +100,7 @@ def test_cudnn_cannot_cap_and_auto_says_so():
     with pytest.raises(ValueError, match=r"kernel='cudnn' cannot serve this call: logits_soft_cap is not an option"):
         kernels.select_kernel("cudnn", platform="gpu", is_causal=False, window=None, has_segments=False,
                               dtype=jnp.bfloat16, head_dim=64, soft_cap=True)
-    assert kernels.describe(platform="gpu", logits_soft_cap=30.0) == (
+    assert jax_cp.describe_kernel(platform="gpu", logits_soft_cap=30.0) == (
         "pallas_gpu (auto on gpu: logits_soft_cap is not an option of jax.nn.dot_product_attention's cuDNN path)")
-    assert kernels.describe(platform="gpu") == "cudnn (auto on gpu)"
-    assert kernels.describe(platform="tpu", logits_soft_cap=30.0) == "splash (auto on tpu)"
+    assert jax_cp.describe_kernel(platform="gpu") == "cudnn (auto on gpu)"
+    assert jax_cp.describe_kernel(platform="tpu", logits_soft_cap=30.0) == "splash (auto on tpu)"

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp import _dense
-from jax_cp import _kernels
+from jax_cp import kernels as _kernels
 from jax_cp._mesh import COLOSSAL, ULYSSES, seq_chunk
 from jax_cp._ulysses import seq_to_heads
 

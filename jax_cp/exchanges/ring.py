@@ -20,7 +20,7 @@ from jax import lax
 
 from jax_cp import _blockwise as bw
 from jax_cp import _splash as sp
-from jax_cp import _kernels
+from jax_cp import kernels as _kernels
 from jax_cp._masks import normalize_window
 from jax_cp._mesh import COLOSSAL, seq_chunk
 from jax_cp.exchanges._base import KVExchange, Meta, register
@@ -223,7 +223,7 @@ def ring_attention(
     q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_name: str, is_causal=False, local_window_size=None,
     scale=None, block_q: int | None = None, block_kv: int | None = None, logits_soft_cap=None, sinks=None,
     return_max_logits: bool = False, return_residual: bool = False, kv_seg_BT=None, kv_pos_BT=None,
-    kernel: str = "blockwise",
+    kernel=_kernels.BLOCKWISE,
 ):
     """Attention of this device's chunk to every chunk on the ``axis_name`` ring (inside ``shard_map``).
 
@@ -236,11 +236,13 @@ def ring_attention(
     segment ids as keys, when they differ from ``seg_BT`` (its queries'; padding stated per side).
     Cross attention: ``k, v [B, S, K, d]`` are the device's chunk of other tokens (any length ``S``)
     at positions ``kv_pos_BT [B, S]`` (with ``kv_seg_BT`` when segments are given).
-    ``kernel="pallas_gpu"``: each step runs the fused Pallas GPU kernel (``jax_cp._pallas_gpu``).
+    ``kernel``: a kernel whose steps merge log-sum-exps by blockwise's algorithm (``BLOCKWISE``, or
+    ``PALLAS_GPU``: each step as the fused Pallas GPU kernel), a value or its name.
     """
     spec = bw.make_spec(q_BTHd.shape[-1], is_causal=is_causal, local_window_size=local_window_size,
                         scale=scale, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap,
-                        return_max_logits=return_max_logits, return_residual=return_residual, kernel=kernel)
+                        return_max_logits=return_max_logits, return_residual=return_residual,
+                        fused=_kernels.resolve(kernel).fused)
     pos = jnp.asarray(pos_BT, jnp.int32)
     seg, kv_seg, kv_pos = (None if a is None else jnp.asarray(a, jnp.int32) for a in (seg_BT, kv_seg_BT, kv_pos_BT))
     sinks = bw.varying_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos, seg)
@@ -255,20 +257,18 @@ class Ring(KVExchange):
     name = "ring"
     ties_chunks = False  # measured worse with the tie (v5e (2,4,2) 4 chunks 1.00 -> 0.77)
 
-    def check_kernel(self, kernel: str) -> None:
-        if kernel not in ("auto", "blockwise", "splash", "pallas_gpu"):
+    def check_kernel(self, kernel) -> None:
+        if kernel != _kernels.AUTO and not _kernels.resolve(kernel).merges_lse:
             raise ValueError(f"kernel={kernel!r} cannot run kv_exchange='ring', whose steps merge log-sum-exps "
                              "(the blockwise, splash and pallas_gpu kernels return them); use kernel='auto', "
                              "'blockwise', 'splash' or 'pallas_gpu' (or kv_exchange='all_gather').")
 
-    def step_kernel(self, chosen: str) -> tuple[str, str]:
-        if chosen in ("splash", "blockwise", "pallas_gpu"):
+    def step_kernel(self, chosen):
+        if chosen.merges_lse:
             return chosen, ""
-        name = {"cudnn": "cuDNN"}.get(chosen, chosen)
-        runs = "pallas_gpu" if chosen == "cudnn" else "blockwise"  # cuDNN was chosen on a GPU
-        return runs, f"the ring's steps merge log-sum-exps, which {name} does not return"
+        return chosen.ring_step(), f"the ring's steps merge log-sum-exps, which {chosen.label or chosen} does not return"
 
-    def kernel(self, spec, q_BTHd, k_BTKd, has_segments: bool) -> str:
+    def kernel(self, spec, q_BTHd, k_BTKd, has_segments: bool):
         """The kernel each ring step runs (``k_BTKd``: the chunk that travels): ``auto`` is splash on
         TPU when the call is expressible there (windows over chunks of at most
         ``_splash.MAX_WINDOW_KEYS`` keys, no max-logit statistic), pallas_gpu on GPU, blockwise
@@ -285,7 +285,7 @@ class Ring(KVExchange):
         pos, seg = seq_chunk(meta.pos, (COLOSSAL,)), seq_chunk(meta.seg, (COLOSSAL,))
         kv_seg, kv_pos = seq_chunk(meta.kv_seg, (COLOSSAL,)), seq_chunk(meta.kv_pos, (COLOSSAL,))
         step = self.kernel(spec, q_BTHd, k_BTKd, seg is not None)
-        if step == "splash":
+        if step == _kernels.SPLASH:
             natural = meta.natural and normalize_window(spec.local_window_size) is None
             return splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL,
                                          is_causal=spec.is_causal, local_window_size=spec.local_window_size,

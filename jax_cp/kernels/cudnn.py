@@ -9,7 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["cudnn_attention", "cudnn_unsupported_reason"]
+from jax_cp.kernels._base import REGISTRY, Kernel, register
+
+__all__ = ["CuDNN", "cudnn_attention", "cudnn_unsupported_reason"]
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -43,3 +45,31 @@ def cudnn_unsupported_reason(*, is_causal, window, has_segments, dtype, head_dim
 def cudnn_attention(q_BTHd, k_BSKd, v_BSKd, *, scale=None, **_unused_mask):
     """Unmasked attention on cuDNN (positions are irrelevant without a mask)."""
     return jax.nn.dot_product_attention(q_BTHd, k_BSKd, v_BSKd, scale=scale, implementation="cudnn")
+
+
+@register
+class CuDNN(Kernel):
+    """``cudnn``: unmasked attention on a CUDA GPU; a ring step runs the Pallas GPU kernel instead
+    (cuDNN returns no log-sum-exp)."""
+
+    name = "cudnn"
+    label = "cuDNN"
+
+    def unsupported_reason(self, *, is_causal=False, window=None, has_segments=False, dtype=jnp.bfloat16,
+                           head_dim=128, soft_cap=False, sinks=False, max_logits=False, residual=False,
+                           v_head_dim=None, **_) -> str | None:
+        return cudnn_unsupported_reason(is_causal=is_causal, window=window, has_segments=has_segments, dtype=dtype,
+                                        head_dim=head_dim, soft_cap=soft_cap, sinks=sinks, max_logits=max_logits,
+                                        residual=residual, v_head_dim=v_head_dim)
+
+    def check(self, *, platform: str, **needs) -> None:
+        if platform != "gpu":
+            raise ValueError(f"kernel='cudnn' needs a CUDA GPU, but the target platform is {platform!r}; "
+                             "use kernel='auto' or 'blockwise'.")
+        super().check(platform=platform, **needs)
+
+    def ring_step(self) -> Kernel:
+        return REGISTRY["pallas_gpu"]
+
+    def attend(self, q_BTHd, k_BSKd, v_BSKd, *, scale=None, **_):
+        return cudnn_attention(q_BTHd, k_BSKd, v_BSKd, scale=scale)

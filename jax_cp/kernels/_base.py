@@ -1,0 +1,73 @@
+"""The kernel as a value: what each local attention kernel says about itself, and the one place a
+kernel's name becomes its value (``resolve``).
+
+A kernel is a frozen value of a ``Kernel`` subclass, one per file in this folder, registered by
+name. It says which calls it cannot serve and why (``unsupported_reason``), attends (``attend``),
+and, for the ring, whether it returns the log-sum-exp a ring step merges (``merges_lse``) or which
+kernel a ring step runs in its place (``ring_step``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+__all__ = ["AUTO", "Kernel", "REGISTRY", "register", "resolve"]
+
+AUTO = "auto"  # not a kernel: the selection's rule picks one per call
+REGISTRY: dict[str, "Kernel"] = {}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Kernel:
+    """Base of the kernel values. Equal to (and hashing as) its name, so a value and the string a user
+    passed compare alike; ``repr`` is the quoted name, as error messages print it."""
+
+    name: ClassVar[str]
+    label: ClassVar[str] = ""  # how a message names it, when not by ``name``
+    merges_lse: ClassVar[bool] = False  # returns each row's log-sum-exp: a ring step can merge it
+    fused: ClassVar[tuple | None] = None  # (forward, backward): blockwise's algorithm as this kernel's code
+
+    def unsupported_reason(self, **needs) -> str | None:
+        """Why this kernel cannot serve a call with these ``needs`` (``None`` when it can)."""
+        return None
+
+    def check(self, *, platform: str, **needs) -> None:
+        """``ValueError`` when an explicit choice of this kernel cannot serve the call."""
+        why = self.unsupported_reason(**needs)
+        if why:
+            raise ValueError(f"kernel={self!r} cannot serve this call: {why}; use kernel='blockwise' or 'auto'.")
+
+    def ring_step(self) -> "Kernel":
+        """The kernel a ring step runs when this one was chosen (itself, if it merges log-sum-exps)."""
+        return self
+
+    def attend(self, q_BTHd, k_BSKd, v_BSKd, **kw):
+        """``local_attention``'s contract on one device's share."""
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return repr(self.name)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (Kernel, str)) and str(other) == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+def register(cls):
+    """Class decorator: one value of ``cls`` joins the kernels the public strings name."""
+    REGISTRY[cls.name] = cls()
+    return cls
+
+
+def resolve(kernel):
+    """The one place a kernel's name becomes its value: ``"auto"`` and values pass as they are."""
+    if isinstance(kernel, Kernel) or kernel == AUTO:
+        return kernel
+    if isinstance(kernel, str) and kernel in REGISTRY:
+        return REGISTRY[kernel]
+    raise ValueError(f"kernel={kernel!r} is not one of {(AUTO, *REGISTRY)}.")
