@@ -23,7 +23,7 @@ from jax_cp._blockwise import check_sinks
 from jax_cp._checks import refuse_dense
 from jax_cp._defaults import AUTO
 from jax_cp._body import (GivenQKV, attention_shard, check_dtype, kernel_for_dtype, metadata_sides, placed_metadata,
-                          shard_call, shard_meta)
+                          shard_call)
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place
 from jax_cp._spec import AttentionSpec, check_seq_batch
 
@@ -33,8 +33,8 @@ LAYOUTS = ("BSHD", "BNSD")
 X_SPEC = P(DP, CP, TP, None)  # [B, S, H, d]
 
 
-def _shard_fn(q, k, v, sinks, *meta, spec, fields):
-    return attention_shard(GivenQKV(q, k, v, sinks), shard_meta(fields, meta), spec=spec)
+def _shard_fn(q, k, v, sinks, meta, *, spec):
+    return attention_shard(GivenQKV(q, k, v, sinks), meta, spec=spec)
 
 
 def _check_qkv(query, key, value, layout):
@@ -115,12 +115,12 @@ def dot_product_attention(
                           logits_soft_cap=logits_soft_cap, record_max_logits=bool(return_max_logits),
                           return_residual=bool(return_residual), v_head_dim=value.shape[-1])
     rep = spec.layout(dims).kv_expanded // K  # minimal repetition so t*u devices each hold whole kv heads
-    meta, meta_specs, fields = _placed_meta(mesh, dims, B, T, S, (positions, segment_ids, kv_positions, kv_segment_ids),
-                                            (query_seq_lengths, key_value_seq_lengths))
+    meta, meta_specs = _placed_meta(mesh, dims, B, T, S, (positions, segment_ids, kv_positions, kv_segment_ids),
+                                    (query_seq_lengths, key_value_seq_lengths))
     if rep > 1:
         key, value = (jnp.repeat(a, rep, axis=2) for a in (key, value))
     sinks = None if sinks is None else place(check_sinks(sinks, H), mesh, P(TP))
-    out = _shard_attention(spec, mesh, [query, key, value, sinks] + meta, meta_specs, fields)
+    out = _shard_attention(spec, mesh, [query, key, value, sinks, meta], meta_specs)
     return _as_given(out, layout, unbatched, query.dtype if return_residual else None)
 
 
@@ -182,12 +182,12 @@ def _as_given(outs, layout: str, unbatched: bool, residual_dtype=None):
     return (out, *extra) if extra else out
 
 
-def _shard_attention(spec, mesh, args, meta_specs, fields):
-    """The per-shard body on placed ``q, k, v [B, S, H, d]``, sinks and metadata (``fields``: the
-    ``Meta`` fields given): ``(out, [max_logits])``."""
+def _shard_attention(spec, mesh, args, meta_specs):
+    """The per-shard body on placed ``q, k, v [B, S, H, d]``, sinks and the ``Meta`` (``meta_specs``:
+    its in_specs): ``(out, [max_logits])``."""
     args = [place(a, mesh, X_SPEC) for a in args[:3]] + args[3:]
     extra = ((P(TP),) if spec.record_max_logits else ()) + ((P(DP, CP, TP),) if spec.return_residual else ())
     out_specs = (X_SPEC, *extra) if extra else X_SPEC
-    fn = partial(_shard_fn, spec=spec, fields=fields)
-    out = shard_call(fn, mesh, (X_SPEC,) * 3 + (P(TP), *meta_specs), out_specs, args)
+    fn = partial(_shard_fn, spec=spec)
+    out = shard_call(fn, mesh, (X_SPEC,) * 3 + (P(TP), meta_specs), out_specs, args)
     return out if extra else (out,)

@@ -30,18 +30,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_cp import kernels
 from jax_cp._mesh import COLOSSAL, DP, ULYSSES, place
 from jax_cp._ulysses import heads_to_seq, seq_to_heads
-from jax_cp.exchanges import Meta
+from jax_cp._meta import Meta
 
 __all__ = ["attention_shard", "GivenQKV", "placed_metadata", "check_dtype", "check_metadata", "kernel_for_dtype",
-           "META_SPEC", "metadata_sides", "shard_call", "shard_meta"]
+           "META_SPEC", "metadata_sides", "shard_call"]
 
 # [B, S] positions / segment ids: replicated over the sequence axes. Each device slices
 # the parts it needs, so the layer runs no collective for metadata (ints, B*S*4 bytes,
 # gathered once outside the layer and shared by every layer of a model).
 META_SPEC = P(DP, None)
-# The field name ``placed_metadata`` gives the default positions (``arange``, nothing else given):
-# ``shard_meta`` then marks the Meta ``natural``, and the splash kernel builds its masks when traced.
-NATURAL_POS = "pos (natural)"
 
 
 def attention_shard(projections, meta: Meta, *, spec, keep_kv: bool = False):
@@ -174,30 +171,21 @@ def placed_metadata(positions, segment_ids, batch: int, seq_len: int, mesh, kv_s
     """Checked, placed ``[B, S]`` positions (``arange`` when None) and segment ids (if given), and
     the keys' own (``kv_segment_ids``, ``kv_positions``: ``metadata_sides``'), if given.
 
-    Returns the shard_map arguments, their in_specs and the ``exchanges.Meta`` field each fills,
-    so every entry point hands its per-shard function only what was given (``shard_meta``).
+    Returns ``(meta, specs)``: the placed ``Meta`` (``natural`` when nothing was given, so the splash
+    kernel builds its masks when traced) and its shard_map in_specs.
     """
     positions = check_metadata("positions", positions, batch, seq_len)
     segment_ids = check_metadata("segment_ids", segment_ids, batch, seq_len)
     natural = positions is None and segment_ids is None and kv_segment_ids is None and kv_positions is None
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
-    given = [(NATURAL_POS if natural and name == "pos" else name, place(a, mesh, META_SPEC)) for name, a in
-             zip(Meta._fields, (positions, segment_ids, kv_segment_ids, kv_positions)) if a is not None]
+    meta = jax.tree.map(lambda a: place(a, mesh, META_SPEC),
+                        Meta(positions, segment_ids, kv_segment_ids, kv_positions, natural=natural))
     # Opaque to constant folding: folded into the kernel's per-block bounds, the default arange
     # becomes a reduce over an iota that libtpu 0.0.52 aborts on while splitting it over a v5p
     # chip's two TensorCores (MegacoreTransformWindow check failure).
-    args = list(lax.optimization_barrier(tuple(a for _, a in given)))
-    return args, [META_SPEC] * len(given), tuple(name for name, _ in given)
-
-
-def shard_meta(fields: tuple[str, ...], args) -> Meta:
-    """Inside ``shard_map``: the ``Meta`` of the metadata ``placed_metadata`` handed in."""
-    given = dict(zip(fields, args))
-    natural = NATURAL_POS in given
-    if natural:
-        given["pos"] = given.pop(NATURAL_POS)
-    return Meta(**given, natural=natural)
+    meta = lax.optimization_barrier(meta)
+    return meta, meta.specs(META_SPEC)
 
 
 def _eager(args) -> bool:

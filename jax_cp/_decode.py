@@ -37,7 +37,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_cp._blockwise import fold_sinks
-from jax_cp._body import attention_shard, check_metadata, shard_call, shard_meta
+from jax_cp._body import attention_shard, check_metadata, shard_call
 from jax_cp._layer import compute_specs, layer_call
 from jax_cp._masks import normalize_window, visible
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place, seq_chunk
@@ -119,11 +119,10 @@ def check_cache(cache: dict, spec, batch: int) -> int:
     return L
 
 
-def _prefill_shard(params, x_BSD, *args, spec, layout, dtype, fields, cache: CacheLayout):
-    meta = shard_meta(fields, args[:len(fields)])
+def _prefill_shard(params, x_BSD, meta, *cache_args, spec, layout, dtype, cache: CacheLayout):
     projections = LinearProjections(params, x_BSD, meta.pos, spec=spec, layout=layout, dtype=dtype)
     y, kept = attention_shard(projections, meta, spec=spec, keep_kv=True)
-    return y, cache.write_prefill(kept, *args[len(fields):])
+    return y, cache.write_prefill(kept, *cache_args)
 
 
 def decode_positions(pos_BS, segment_ids_BS=None, lengths_B=None):

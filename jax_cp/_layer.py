@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_cp._body import attention_shard, check_dtype, metadata_sides, placed_metadata, shard_call, shard_meta
+from jax_cp._body import attention_shard, check_dtype, metadata_sides, placed_metadata, shard_call
 from jax_cp._defaults import AUTO
 from jax_cp._mesh import CP, DP, TP, gather, mesh_dims, place
 from jax_cp._projection import LinearProjections
@@ -105,10 +105,10 @@ def init_param(name: str, shape, key, dtype, kernel_init):
     return jnp.zeros(shape, dtype)
 
 
-def _layer_shard(params, x_BSD, *args, spec: AttentionSpec, layout: Layout, dtype, fields, n_kv: int = 0):
-    meta = shard_meta(fields, args[n_kv:])  # args: cross attention's K/V inputs, then the metadata
+def _layer_shard(params, x_BSD, *args, spec: AttentionSpec, layout: Layout, dtype):
+    *kv_x, meta = args  # cross attention's K/V inputs, then the metadata
     projections = LinearProjections(params, x_BSD, meta.pos, spec=spec, layout=layout, dtype=dtype,
-                                    kv_x=args[:n_kv], kv_pos_BS=meta.kv_pos)
+                                    kv_x=tuple(kv_x), kv_pos_BS=meta.kv_pos)
     return attention_shard(projections, meta, spec=spec)
 
 
@@ -181,14 +181,14 @@ def layer_call(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None, po
     check_seq_batch(B, S, layout.dims)
     check_seq_batch(B, S_kv, layout.dims, name="the key/value inputs' seq_len")
     sides = metadata_sides(positions, segment_ids, kv_positions, kv_segment_ids, B, S, S_kv)
-    meta, meta_specs, fields = placed_metadata(sides[0], sides[1], B, S, mesh, *sides[2:])
+    meta, meta_specs = placed_metadata(sides[0], sides[1], B, S, mesh, *sides[2:])
     specs = _compute_specs(spec, layout)
     params = {k: place(params[k], mesh, specs[k]) for k in specs}
-    args = [params, place(x_BSD, mesh, X_SPEC), *(place(a, mesh, X_SPEC) for a in kv_x)] + meta
-    in_specs = [specs, X_SPEC] + [X_SPEC] * len(kv_x) + meta_specs
+    args = [params, place(x_BSD, mesh, X_SPEC), *(place(a, mesh, X_SPEC) for a in kv_x), meta]
+    in_specs = [specs, X_SPEC] + [X_SPEC] * len(kv_x) + [meta_specs]
     out_specs = (X_SPEC, P(TP)) if spec.record_max_logits else X_SPEC
     return LayerCall(mesh, spec, layout, B, S, args, in_specs, out_specs,
-                     dict(spec=spec, layout=layout, dtype=dtype, fields=fields))
+                     dict(spec=spec, layout=layout, dtype=dtype))
 
 
 def layer_forward(params: dict, x_BSD, *, mesh, **kw):
@@ -197,7 +197,7 @@ def layer_forward(params: dict, x_BSD, *, mesh, **kw):
     ``[B, S_kv, D]`` each, at ``kv_positions`` with ``kv_segment_ids`` (``metadata_sides``).
     Keywords: ``layer_call``'s."""
     call = layer_call(params, x_BSD, mesh=mesh, **kw)
-    fn = partial(_layer_shard, **call.kwargs, n_kv=len(kw.get("kv_x", ())))
+    fn = partial(_layer_shard, **call.kwargs)
     return shard_call(fn, mesh, tuple(call.in_specs), call.out_specs, call.args)
 
 

@@ -65,7 +65,7 @@ def test_example_model_uses_the_library():
 # The floors of jax_cp, ground first: a module imports modules of its own floor or lower ones only
 # (imports inside functions included), and no import circle closes anywhere.
 FLOORS = (
-    ("facts and metadata", ("_platform", "_chips", "_checks", "_masks", "_posenc", "_ulysses", "_mesh", "_dense",
+    ("facts and metadata", ("_platform", "_chips", "_checks", "_masks", "_meta", "_posenc", "_ulysses", "_mesh", "_dense",
                             "_dispatch")),
     ("kernels", ("_blockwise", "_splash", "_pallas_gpu", "kernels")),
     ("per-shard steps", ("exchanges", "_projection", "load_balance")),

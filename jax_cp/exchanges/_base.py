@@ -9,44 +9,20 @@ Letters: B batch, T local queries (S/c), S keys, H local query heads, K local kv
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from jax_cp import _dense
 from jax_cp import kernels as _kernels
+from jax_cp._meta import Meta
 from jax_cp._mesh import COLOSSAL, ULYSSES, seq_chunk
 from jax_cp._ulysses import seq_to_heads
 
 __all__ = ["KVExchange", "Meta", "attend_gathered", "pair_kv", "register", "REGISTRY"]
 
 REGISTRY: list["KVExchange"] = []
-
-
-class Meta(NamedTuple):
-    """Full-sequence mask metadata every device holds: ``[B, S]`` positions and segment ids (or None).
-
-    ``kv_seg``, when given, is the keys' segment ids (``seg`` then holds the queries'): padding
-    stated separately for queries and keys (``query_seq_lengths``/``key_value_seq_lengths``), or
-    cross attention. ``kv_pos``, when given, is the keys' positions ``[B, S_kv]`` (cross attention:
-    keys are other tokens than the queries, of their own length); ``None``: the queries' own.
-    ``natural`` (static): ``pos`` is the default ``arange(S)`` of every row and nothing else is given,
-    so a kernel may build its mask when traced (the splash kernel does)."""
-
-    pos: jax.Array
-    seg: jax.Array | None = None
-    kv_seg: jax.Array | None = None
-    kv_pos: jax.Array | None = None
-    natural: bool = False
-
-    @property
-    def keys_seg(self):
-        return self.seg if self.kv_seg is None else self.kv_seg
-
-    @property
-    def keys_pos(self):
-        return self.pos if self.kv_pos is None else self.kv_pos
 
 
 def register(cls):

@@ -117,9 +117,8 @@ def cp_layer(shape: LayerShape, mesh):
 
 def naive_layer(shape: LayerShape, mesh):
     """The baseline: ``x @ [Wq|Wk|Wv]`` in one matmul, then every collective after it."""
-    from jax_cp._body import META_SPEC, placed_metadata
+    from jax_cp._body import placed_metadata
     from jax_cp._ulysses import heads_to_seq, seq_to_heads
-    from jax_cp.exchanges import Meta
 
     shape, _ = shape.resolved(mesh)  # the exchange CPAttention would use
     dims = mesh_dims(mesh)
@@ -129,22 +128,22 @@ def naive_layer(shape: LayerShape, mesh):
     hq, hk = H // t, layout.kv_expanded // t  # per tp rank; kv heads repeated minimally, as CPAttention does
     dt = jnp.dtype(shape.dtype)
 
-    def shard(w_qkv, w_o, x_BSD, pos_BS):
+    def shard(w_qkv, w_o, x_BSD, meta):
         B, s, _ = x_BSD.shape
         y = jnp.einsum("bsd,dte->bse", x_BSD.astype(dt), w_qkv.astype(dt))
         q, k, v = jnp.split(y, [hq * d, (hq + hk) * d], axis=-1)
         q, k, v = (seq_to_heads((a.reshape(B, s, -1, d),), ULYSSES)[0] for a in (q, k, v))
-        o = spec.kv_exchange.attend(q, k, v, Meta(pos_BS, natural=True), spec)
+        o = spec.kv_exchange.attend(q, k, v, meta, spec)
         o = heads_to_seq(o, ULYSSES).reshape(B, s, hq * d)
         return lax.psum(jnp.einsum("bse,ted->bsd", o, w_o.astype(dt)), TP)
 
     w_specs = (P(None, TP, None), P(TP, None, None))
-    fn = jax.shard_map(shard, mesh=mesh, in_specs=(*w_specs, X_SPEC, META_SPEC), out_specs=X_SPEC)
     S, B = shape.seq_len, shape.batch
 
     def apply(params, x):
-        meta, *_ = placed_metadata(None, None, B, S, mesh)  # default positions, placed as the library does
-        return fn(params["qkv_kernel"], params["o_kernel"], x, *meta)
+        meta, meta_specs = placed_metadata(None, None, B, S, mesh)  # default positions, placed as the library does
+        fn = jax.shard_map(shard, mesh=mesh, in_specs=(*w_specs, X_SPEC, meta_specs), out_specs=X_SPEC)
+        return fn(params["qkv_kernel"], params["o_kernel"], x, meta)
 
     params = {
         "qkv_kernel": _sds((D, t, (hq + 2 * hk) * d), shape.param_dtype, mesh, w_specs[0]),
