@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_cp._body import attention_shard, check_dtype, metadata_sides, placed_metadata, shard_call
+from jax_cp._body import attention_shard, check_dtype, kernel_for_dtype, metadata_sides, placed_metadata, shard_call
 from jax_cp._defaults import AUTO
 from jax_cp._mesh import CP, DP, TP, gather, mesh_dims, place
 from jax_cp._projection import LinearProjections
@@ -175,7 +175,8 @@ def layer_call(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None, po
         raise ValueError(f"inputs_v.shape={kv_x[1].shape} must equal inputs_k.shape={kv_x[0].shape}.")
     dtype = jnp.dtype(x_BSD.dtype if dtype is None else dtype)
     check_dtype("dtype", dtype)
-    spec, _ = _cross_spec(spec.replace(local_window_size=local_window_size, scale=scale), bool(kv_x)).resolve(
+    spec = spec.replace(local_window_size=local_window_size, scale=scale, kernel=kernel_for_dtype(spec.kernel, dtype))
+    spec, _ = _cross_spec(spec, bool(kv_x)).resolve(
         mesh, batch=B, seq_len=S_kv, itemsize=dtype.itemsize)
     layout = spec.layout(mesh_dims(mesh))
     check_seq_batch(B, S, layout.dims)

@@ -16,18 +16,20 @@ def apply_rope(x_BSHd: jax.Array, pos_BS: jax.Array, theta: float) -> jax.Array:
     d = x_BSHd.shape[-1]
     if d % 2:
         raise ValueError(f"head_dim={d} must be even for RoPE (rope_theta={theta}).")
-    freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
-    ang_BSf = pos_BS.astype(jnp.float32)[..., None] * freq[None, None, :]
+    acc = jnp.promote_types(x_BSHd.dtype, jnp.float32)  # float64 stays float64
+    freq = theta ** (-jnp.arange(0, d // 2, dtype=acc) * 2.0 / d)
+    ang_BSf = pos_BS.astype(acc)[..., None] * freq[None, None, :]
     sin, cos = jnp.sin(ang_BSf)[:, :, None, :], jnp.cos(ang_BSf)[:, :, None, :]
-    x = x_BSHd.astype(jnp.float32)
+    x = x_BSHd.astype(acc)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BSHd.dtype)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """RMS norm over the last axis, float32 statistics, learned ``scale``."""
-    xf = x.astype(jnp.float32)
+    """RMS norm over the last axis, float32 statistics (float64 for float64), learned ``scale``."""
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    xf = x.astype(acc)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    scale = scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + scale.shape)
+    scale = scale.astype(acc).reshape((1,) * (x.ndim - 1) + scale.shape)
     return (y * scale).astype(x.dtype)

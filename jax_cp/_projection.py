@@ -75,6 +75,7 @@ def _pp_fwd(x, ws, bs, norms, pos, dtype, theta, rotate):
 def _pp_bwd(dtype, theta, rotate, res, gs):
     x, ws, bs, norms, pos, kept = res
     rotate = rotate or (False,) * len(ws)
+    acc = jnp.promote_types(dtype, jnp.float32)  # float64 stays float64
     dx, dws, dbs, dnorms = 0.0, [], [], []
     for g, w, b, n, y, r in zip(gs, ws, bs, norms, kept, rotate):
         th = theta if r else None
@@ -84,9 +85,9 @@ def _pp_bwd(dtype, theta, rotate, res, gs):
             g, dn = vjp(g)
         elif th is not None:
             g = apply_rope(g, -pos, th)  # the rotation's transpose is the rotation by -angle
-        dx = dx + jnp.einsum("bshe,dhe->bsd", g, w.astype(dtype), preferred_element_type=jnp.float32)
-        dws.append(jnp.einsum("bsd,bshe->dhe", x.astype(dtype), g, preferred_element_type=jnp.float32).astype(w.dtype))
-        dbs.append(None if b is None else g.astype(jnp.float32).sum((0, 1)).astype(b.dtype))
+        dx = dx + jnp.einsum("bshe,dhe->bsd", g, w.astype(dtype), preferred_element_type=acc)
+        dws.append(jnp.einsum("bsd,bshe->dhe", x.astype(dtype), g, preferred_element_type=acc).astype(w.dtype))
+        dbs.append(None if b is None else g.astype(acc).sum((0, 1)).astype(b.dtype))
         dnorms.append(dn)
     return dx.astype(x.dtype), tuple(dws), tuple(dbs), tuple(dnorms), None
 
@@ -107,8 +108,9 @@ def _htm_fwd(o, w, axis_name):
 
 def _htm_bwd(axis_name, res, g_BSD):
     z, w = res
-    dz = jnp.einsum("bsd,hed->bshe", g_BSD, w.astype(z.dtype), preferred_element_type=jnp.float32).astype(z.dtype)
-    dw = jnp.einsum("bshe,bsd->hed", z, g_BSD, preferred_element_type=jnp.float32).astype(w.dtype)
+    acc = jnp.promote_types(z.dtype, jnp.float32)  # float64 stays float64
+    dz = jnp.einsum("bsd,hed->bshe", g_BSD, w.astype(z.dtype), preferred_element_type=acc).astype(z.dtype)
+    dw = jnp.einsum("bshe,bsd->hed", z, g_BSD, preferred_element_type=acc).astype(w.dtype)
     return _seq_to_heads(dz, axis_name), dw
 
 

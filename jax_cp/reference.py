@@ -54,17 +54,19 @@ def dot_product_attention(
 def attention_layer(params: dict, x_BSD, *, spec: AttentionSpec, dtype=None, positions=None,
                     segment_ids=None, local_window_size=None, scale=None, inputs_k=None, inputs_v=None,
                     kv_positions=None, kv_segment_ids=None):
-    """Single-device twin of ``jax_cp.CPAttention``'s forward (plain jnp, float32 attention);
+    """Single-device twin of ``jax_cp.CPAttention``'s forward (plain jnp, float32 math; float64 for float64);
     ``(y, max_logits)`` with ``spec.record_max_logits``. Cross attention: keys from ``inputs_k``,
     values from ``inputs_v`` (each defaulting to the one before), at ``kv_positions``
     (``arange(S_kv)`` when None) with ``kv_segment_ids``."""
     B, S, _ = x_BSD.shape
     dtype = jnp.dtype(x_BSD.dtype if dtype is None else dtype)
-    # Ground truth: every operation in float32 from the given values; only the result is cast.
-    w = {k: v.astype(jnp.float32) for k, v in params.items()}
-    x = x_BSD.astype(jnp.float32)
-    x_k = x if inputs_k is None else inputs_k.astype(jnp.float32)
-    x_v = x_k if inputs_v is None else inputs_v.astype(jnp.float32)
+    # Ground truth: every operation in float32 (float64 for float64 inputs) from the given values;
+    # only the result is cast.
+    acc = jnp.promote_types(x_BSD.dtype, jnp.float32)
+    w = {k: v.astype(acc) for k, v in params.items()}
+    x = x_BSD.astype(acc)
+    x_k = x if inputs_k is None else inputs_k.astype(acc)
+    x_v = x_k if inputs_v is None else inputs_v.astype(acc)
     S_kv = x_k.shape[1]
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) if positions is None else positions, (B, S))
     seg = None if segment_ids is None else jnp.broadcast_to(segment_ids, (B, S))
