@@ -302,7 +302,7 @@ def _decode_shard(params, x_BTD, ck, cv, cpos, index_B, slots, window, *, spec, 
 def _raise_if(failed, message: str) -> None:
     """A ``jax.debug.callback`` target: raises ``ValueError(message)`` at run time when ``failed``, so a
     jitted decode step that must not run fails (a ``JaxRuntimeError`` naming the ValueError) instead
-    of returning a silent result. The message's ``{}`` receives the failing value."""
+    of returning a silent result."""
     if bool(np.any(failed)):
         raise ValueError(message)
 
