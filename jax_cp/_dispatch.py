@@ -25,7 +25,7 @@ import numpy as np
 from jax_cp._masks import Window, normalize_window
 from jax_cp._mesh import MeshDims, is_explicit, mesh_dims
 
-__all__ = ["Dispatch", "plan"]
+__all__ = ["Dispatch", "fixed", "plan"]
 
 CHUNKS_PER_RANK = 8  # chunks of S/(8c) tokens: fine enough to balance, coarse enough to plan in milliseconds
 _SWAPS_PER_RANK = 8  # improving swaps tried per colossal rank after the greedy pass
@@ -149,6 +149,31 @@ def plan(segment_ids, mesh, *, positions=None, is_causal: bool = True, local_win
         if best.imbalance() <= _GOOD_ENOUGH or (S // dims.c) % k:
             break
     return best
+
+
+def fixed(segment_ids, mesh, *, balanced: bool = True, positions=None, is_causal: bool = True,
+          local_window_size=None) -> Dispatch:
+    """A fixed order as a :class:`Dispatch`, its work counted as :func:`plan` counts it: the dual-chunk
+    order of ``load_balance.reorder`` (``balanced=True``; rank ``i`` holds chunks ``i`` and ``2c-1-i``
+    of every row) or the natural order (``balanced=False``). What a plan is measured against.
+
+    Args:
+      segment_ids, mesh, positions, is_causal, local_window_size: as :func:`plan`.
+      balanced: the dual-chunk order, or the natural one.
+
+    Returns:
+      The :class:`Dispatch` (every row in the same order).
+
+    Raises:
+      ValueError: as :func:`plan`.
+    """
+    dims = mesh if isinstance(mesh, MeshDims) else mesh_dims(mesh)
+    seg_BS, pos_BS = _check_inputs(segment_ids, positions, dims)
+    counts_BS, _, _ = _rows(seg_BS, pos_BS, is_causal, normalize_window(local_window_size))
+    N = 2 * dims.c
+    owner = _dual_owner(N, dims.c) if balanced else np.arange(N) // 2
+    chunks_BN = np.broadcast_to(np.argsort(owner, kind="stable"), (seg_BS.shape[0], N))
+    return _dispatch(chunks_BN, counts_BS, pos_BS, dims)
 
 
 # ---- inputs ---------------------------------------------------------------------------------------

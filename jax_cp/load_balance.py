@@ -11,7 +11,8 @@ Implemented with reshape/reverse/concatenate, never a gather.
 :func:`balanced` is the safe way to use it: it runs a function on the balanced order, hands it the
 positions it must use and restores what it returns, so neither can be forgotten. Packed rows of
 many documents are balanced by a per-batch :func:`plan` (a :class:`Dispatch`, ``jax_cp._dispatch``)
-that equalises each rank's visible-pair area; ``balanced`` takes it in place of the mesh. :func:`reorder` /
+that equalises each rank's visible-pair area; ``balanced`` takes it in place of the mesh, and
+:func:`fixed` gives the dual-chunk (or natural) order the same form, to measure a plan against. :func:`reorder` /
 :func:`restore` are the parts, for a data pipeline that reorders once on the host (and a loss that
 does not care about the order); there the caller passes the positions on and restores.
 """
@@ -24,11 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cp._dispatch import Dispatch, plan
+from jax_cp._dispatch import Dispatch, fixed, plan
 from jax_cp._masks import normalize_window, visible
 from jax_cp._mesh import is_explicit, mesh_dims
 
-__all__ = ["Dispatch", "balanced", "plan", "reorder", "restore", "positions", "work"]
+__all__ = ["Dispatch", "balanced", "fixed", "plan", "reorder", "restore", "positions", "work"]
 
 
 def _check_len(seq_len: int, c: int, u: int, name: str = "seq_len") -> None:

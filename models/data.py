@@ -12,10 +12,8 @@ continues it exactly.
 
 Each process builds only its rows and sequence columns of a global batch
 (:func:`process_rows`, :func:`place`), in the natural order, the dual-chunk order
-or each row's own order from a dispatch plan of its rows (:func:`plan_rows`);
-:func:`rank_pairs` and :func:`imbalance` measure what an order leaves the slowest
-colossal rank to attend.
-Letters: B batch, S sequence, R rows of this process, C colossal ranks.
+or each row's own order from a dispatch plan of its rows (:func:`plan_rows`).
+Letters: B batch, S sequence, R rows of this process.
 """
 from __future__ import annotations
 
@@ -30,8 +28,8 @@ import numpy as np
 import jax_cp
 from jax_cp import load_balance
 
-__all__ = ["EOD", "Corpus", "Windows", "default_corpus_files", "imbalance", "load_corpus", "make_global_batch", "pack",
-           "place", "plan_rows", "process_rows", "rank_pairs"]
+__all__ = ["EOD", "Corpus", "Windows", "default_corpus_files", "load_corpus", "make_global_batch", "pack", "place",
+           "plan_rows", "process_rows"]
 
 EOD = 256  # end of document; bytes are 0..255
 FIELDS = ("tokens", "labels", "positions", "segment_ids", "weights")
@@ -214,29 +212,3 @@ def plan_rows(local: dict[str, np.ndarray], mesh, rows: np.ndarray, batch: int) 
     return [load_balance.plan(local["segment_ids"][r : r + per_shard], one_shard,
                               positions=local["positions"][r : r + per_shard])
             for r in range(0, len(rows), per_shard)]
-
-
-def rank_pairs(segment_ids: np.ndarray, order: np.ndarray | None, c: int) -> np.ndarray:
-    """Visible (query, key) pairs of each colossal rank's queries, ``[B, c]``, causal, for rows as
-    :func:`pack` makes them (each document one run of consecutive positions).
-
-    ``segment_ids`` ``[B, S]`` in natural order; ``order`` the natural index at each slot, ``[S]`` or
-    ``[B, S]`` (``None``: natural); rank ``i`` holds slots ``[i*S/c, (i+1)*S/c)``. O(B*S): a query
-    sees the keys of its run up to itself; ``load_balance.work`` counts the same from masks.
-    """
-    B, S = segment_ids.shape
-    new_run = np.concatenate([np.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    idx_BS = np.broadcast_to(np.arange(S), (B, S))
-    run_start_BS = np.maximum.accumulate(np.where(new_run, idx_BS, 0), axis=1)
-    seen_BS = np.where(segment_ids >= 0, idx_BS - run_start_BS + 1, 0)
-    if order is not None:
-        seen_BS = np.take_along_axis(seen_BS, np.broadcast_to(order, (B, S)), axis=1)
-    return seen_BS.reshape(B, c, S // c).sum(axis=2, dtype=np.float64)
-
-
-def imbalance(pairs_BC: np.ndarray, dp: int) -> float:
-    """Slowest colossal rank over the mean, summed over each dp shard's rows, the worst shard
-    (as ``Dispatch.imbalance``; 1.0 is perfect)."""
-    per_shard = np.asarray(pairs_BC, np.float64).reshape(dp, -1, pairs_BC.shape[-1]).sum(axis=1)
-    mean = per_shard.mean(axis=1)
-    return float(np.max(np.where(mean > 0, per_shard.max(axis=1) / np.where(mean > 0, mean, 1.0), 1.0)))

@@ -320,15 +320,16 @@ def global_batch(s: Setup, windows: data_lib.Windows, step: int, batch: int) -> 
     dims = jax_cp.mesh_dims(s.mesh)
     rows = data_lib.process_rows(s.batch_sharding, batch, windows.seq_len)
     local = windows.rows(step, batch, rows)
-    seg_RS, shards = local["segment_ids"], len(rows) * dims.dp // batch
-    measure = lambda order: data_lib.imbalance(data_lib.rank_pairs(seg_RS, order, dims.c), shards)
+    held = dataclasses.replace(dims, dp=len(rows) * dims.dp // batch)  # this process's dp shards
+    measure = lambda balanced: load_balance.fixed(local["segment_ids"], held, balanced=balanced,
+                                                  positions=local["positions"]).imbalance()
     if s.balance == "dispatch":
         plans = data_lib.plan_rows(local, s.mesh, rows, batch)  # one per dp shard
         order, used = np.concatenate([d.perm for d in plans]), max(d.imbalance() for d in plans)
     else:
         order = s.dual_chunk if s.balance == "dual-chunk" else None
-        used = measure(order)
-    dual = None if s.dual_chunk is None else measure(s.dual_chunk)
+        used = measure(s.balance == "dual-chunk")
+    dual = None if s.dual_chunk is None else measure(True)
     return data_lib.place(local, s.batch_sharding, batch, order=order), {"imbalance": used,
                                                                          "imbalance_dual_chunk": dual}
 

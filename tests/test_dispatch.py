@@ -169,6 +169,27 @@ def test_one_document_is_the_dual_chunk_order(c):
         np.testing.assert_allclose(d.imbalance(), 1.0)
 
 
+@pytest.mark.parametrize("balanced", [True, False])
+def test_fixed_orders_count_what_load_balance_counts(balanced):
+    """``load_balance.fixed``: the dual-chunk order (``reorder``'s) or the natural one as a Dispatch, its
+    work per device equal to ``load_balance.work``'s count from masks, per dp shard, on packed rows
+    with padding and per-document positions."""
+    mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
+    S = 128
+    seg, pos = packed(np.random.default_rng(11), "lognormal", 20, 4, S, pad=True)
+    two_shards = jax_cp.MeshDims(dp=2, c=4, u=2, t=1)  # the mesh's CP axes, rows in two dp shards
+    d = load_balance.fixed(seg, two_shards, balanced=balanced, positions=pos)
+    want = np.asarray(load_balance.reorder(jnp.arange(S)[None], mesh)[0])[0] if balanced else np.arange(S)
+    np.testing.assert_array_equal(d.perm, np.broadcast_to(want, (4, S)))
+    for shard in range(2):
+        rows = seg[2 * shard:2 * shard + 2]
+        np.testing.assert_allclose(d.work()[shard], load_balance.work(mesh, S, is_causal=True, segment_ids=rows,
+                                                                      balanced=balanced))
+    shards = [load_balance.work(mesh, S, is_causal=True, segment_ids=seg[2 * i:2 * i + 2], balanced=balanced)
+              for i in range(2)]
+    assert d.imbalance() == pytest.approx(max(w.max() / w.mean() for w in shards), rel=1e-12)
+
+
 def test_pure_ulysses_keeps_the_natural_order():
     """``cp_colossal = 1``: one rank holds the whole sequence after the all-to-all; nothing to balance."""
     seg, pos = packed(np.random.default_rng(9), "lognormal", 100, 2, 1000, pad=True)

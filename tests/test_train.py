@@ -248,9 +248,9 @@ def test_global_batch_in_the_dispatch_order_of_each_row(short_docs, monkeypatch)
     trained, balance = train.global_batch(setup, windows, 5, B)
     for k in data_lib.FIELDS:
         np.testing.assert_array_equal(np.asarray(trained[k]), np.concatenate([w[k] for w in shard_want]), err_msg=k)
-    dual_pairs = data_lib.rank_pairs(natural["segment_ids"], dual, 2)
-    assert balance == {"imbalance": max(d.imbalance() for d in plans),
-                       "imbalance_dual_chunk": data_lib.imbalance(dual_pairs, 2)}
+    fixed = jax_cp.load_balance.fixed(natural["segment_ids"], mesh, positions=natural["positions"])
+    np.testing.assert_array_equal(fixed.perm, np.broadcast_to(dual, (B, S)))
+    assert balance == {"imbalance": max(d.imbalance() for d in plans), "imbalance_dual_chunk": fixed.imbalance()}
 
     rows, cols = np.array([2, 3]), np.arange(8, 24)  # dp shard 1; the columns of CP devices 1 and 2
     monkeypatch.setattr(data_lib, "_process_indices", lambda sharding, shape: (rows, cols))
@@ -264,22 +264,6 @@ def test_global_batch_in_the_dispatch_order_of_each_row(short_docs, monkeypatch)
         np.testing.assert_array_equal(piece, shard_want[1][k][:, cols], err_msg=k)
     with pytest.raises(ValueError, match=r"rows=\[1, 2\] are not whole dp shards of 2 rows \(batch=4, dp=2\)"):
         data_lib.plan_rows(windows.rows(5, B, np.array([1, 2])), mesh, np.array([1, 2]), B)
-
-
-@needs_devices(8)
-def test_rank_pairs_count_what_load_balance_counts(short_docs):
-    """The trainer's O(B*S) count of each colossal rank's visible pairs on packed rows equals
-    ``load_balance.work`` (from masks) for the dual-chunk order and the plan's own count for its order."""
-    mesh = jax_cp.make_mesh(cp_colossal=4, dp=2, axis_types=AxisType.Auto)
-    natural = _short_windows(short_docs, seq_len=64).rows(0, 4, np.arange(4))
-    seg = natural["segment_ids"]
-    dual = np.asarray(jax_cp.load_balance.positions(64, mesh))
-    for shard in (slice(0, 2), slice(2, 4)):
-        w = jax_cp.load_balance.work(mesh, 64, is_causal=True, segment_ids=seg[shard], balanced=True)
-        np.testing.assert_array_equal(data_lib.rank_pairs(seg[shard], dual, 4).sum(axis=0), w)
-    dispatch = jax_cp.load_balance.plan(seg, mesh, positions=natural["positions"])
-    np.testing.assert_array_equal(data_lib.rank_pairs(seg, dispatch.perm, 4), dispatch.pairs)
-    assert data_lib.imbalance(dispatch.pairs, 2) == pytest.approx(dispatch.imbalance(), rel=1e-12)
 
 
 # ----------------------------------------------------------------------------- training
