@@ -37,7 +37,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_cp._blockwise import fold_sinks
-from jax_cp._body import attention_shard, check_metadata, shard_call
+from jax_cp._body import attention_shard, shard_call
 from jax_cp._layer import compute_specs, layer_call
 from jax_cp._masks import normalize_window, visible
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place, seq_chunk
@@ -154,9 +154,7 @@ def prefill_prompt(params: dict, x_BSD, cache: dict, *, mesh, spec, dtype=None, 
         raise ValueError(f"the prompt's seq_len={S} is longer than the cache's max_length={L}; init_cache with "
                          f"max_length >= {S} (plus the tokens to decode).")
     lengths = _check_lengths(lengths, B, S)
-    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)) if positions is None else \
-        check_metadata("positions", positions, B, S)
-    cache_pos, next_B = decode_positions(pos, check_metadata("segment_ids", segment_ids, B, S), lengths)
+    cache_pos, next_B = decode_positions(call.meta.pos, call.meta.seg, lengths)  # as the layer checked them
     if not isinstance(next_B, jax.core.Tracer) and int(next_B.min()) < 1:
         rows = np.flatnonzero(np.asarray(next_B) < 1).tolist()
         raise ValueError(f"prompt rows {rows} have no real token (every segment id is negative or every position "

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jax_cp._body import attention_shard, check_dtype, kernel_for_dtype, metadata_sides, placed_metadata, shard_call
 from jax_cp._defaults import AUTO
 from jax_cp._mesh import CP, DP, TP, gather, mesh_dims, place
+from jax_cp._meta import Meta
 from jax_cp._projection import LinearProjections
 from jax_cp._spec import AttentionSpec, Layout, check_seq_batch
 
@@ -149,7 +150,8 @@ def _cross_spec(spec: AttentionSpec, cross: bool) -> AttentionSpec:
 @dataclasses.dataclass
 class LayerCall:
     """One call of the layer, prepared: the resolved spec and layout, the ``shard_map`` arguments
-    (parameters, inputs, metadata) with their in_specs, the output specs and ``_layer_shard``'s settings."""
+    (parameters, inputs, metadata) with their in_specs, the output specs and ``_layer_shard``'s settings;
+    ``meta`` is the placed metadata (the last argument)."""
 
     mesh: object
     spec: AttentionSpec
@@ -160,6 +162,10 @@ class LayerCall:
     in_specs: list
     out_specs: object
     kwargs: dict
+
+    @property
+    def meta(self) -> Meta:
+        return self.args[-1]
 
 
 def layer_call(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None, positions=None, segment_ids=None,
