@@ -24,7 +24,7 @@ from jax_cp.kernels.pallas_gpu import PallasGPU
 
 __all__ = [
     "AUTO", "BLOCKWISE", "CUDNN", "DENSE", "IMPLEMENTATIONS", "KERNELS", "Kernel", "PALLAS_GPU", "SPLASH",
-    "auto_blocks", "blockwise_attention", "check_block", "check_kernel", "check_sinks", "check_soft_cap",
+    "auto_blocks", "blockwise_attention", "check_block", "check_sinks", "check_soft_cap",
     "cudnn_attention", "dense_attention", "from_implementation", "local_attention", "resolve", "select_kernel",
     "splash_attention", "target_platform",
 ]
@@ -33,11 +33,6 @@ BLOCKWISE, DENSE, SPLASH, CUDNN, PALLAS_GPU = (REGISTRY[k.name] for k in (Blockw
 KERNELS = (AUTO, *REGISTRY)  # the names the public arguments take
 # jax.nn.dot_product_attention's ``implementation=`` values and the kernel each names.
 IMPLEMENTATIONS = {None: AUTO, "xla": DENSE, "cudnn": CUDNN}
-
-
-def check_kernel(kernel) -> Kernel | str:
-    """``kernel`` as a value (``"auto"`` as it is); ``ValueError`` for a name that is none."""
-    return resolve(kernel)
 
 
 def from_implementation(implementation, kernel) -> Kernel | str:
