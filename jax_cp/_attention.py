@@ -105,14 +105,14 @@ def dot_product_attention(
     with ``kv_segment_ids`` (``[S]``/``[B, S]``; segment ids on both sides or neither; README).
     """
     kernel = _check_jax_nn_arguments(bias, mask, implementation, kernel)
-    dims = mesh_dims(mesh)
-    unbatched = getattr(query, "ndim", None) == 3
+    dims, unbatched = mesh_dims(mesh), getattr(query, "ndim", None) == 3
     query, key, value = _check_qkv(query, key, value, layout)
     kernel = kernel_for_dtype(kernel, query.dtype, "kernel" if implementation is None else "implementation")
     (B, T, H, d), (S, K) = query.shape, key.shape[1:3]
-    spec = _resolved_spec(mesh, query, K, S, is_causal=is_causal, scale=scale, local_window_size=local_window_size,
-                          kernel=kernel, kv_exchange=kv_exchange, block_q=block_q, block_kv=block_kv,
-                          logits_soft_cap=logits_soft_cap, record_max_logits=bool(return_max_logits),
+    spec = _resolved_spec(mesh, query, K, S, (segment_ids, query_seq_lengths, key_value_seq_lengths),
+                          is_causal=is_causal, scale=scale, local_window_size=local_window_size, kernel=kernel,
+                          kv_exchange=kv_exchange, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap,
+                          use_sinks=sinks is not None, record_max_logits=bool(return_max_logits),
                           return_residual=bool(return_residual), v_head_dim=value.shape[-1])
     rep = spec.layout(dims).kv_expanded // K  # minimal repetition so t*u devices each hold whole kv heads
     meta, meta_specs = _placed_meta(mesh, dims, B, T, S, (positions, segment_ids, kv_positions, kv_segment_ids),
@@ -134,13 +134,15 @@ def _placed_meta(mesh, dims, batch: int, q_len: int, kv_len: int, given: tuple, 
     return placed_metadata(pos, seg, batch, q_len, mesh, kv_seg, kv_pos)
 
 
-def _resolved_spec(mesh, query, num_kv_heads: int, kv_len: int, **options) -> AttentionSpec:
+def _resolved_spec(mesh, query, num_kv_heads: int, kv_len: int, segments: tuple, **options) -> AttentionSpec:
     """The call's ``AttentionSpec`` (one head chunk, no fused exchange), ``"auto"`` resolved for ``mesh``
-    (the memory rule sizes the K/V of ``kv_len`` tokens)."""
+    (the memory rule sizes the K/V of ``kv_len`` tokens; the kernel is chosen for the query's dtype, and
+    for segment ids if any of ``segments`` (segment ids, jax.nn's lengths) is given)."""
     B, _, H, d = query.shape
     spec = AttentionSpec(num_heads=H, num_kv_heads=num_kv_heads, head_dim=d, overlap_chunks=1, fused_qkv_chunks=0,
                          **options)
-    return spec.resolve(mesh, batch=B, seq_len=kv_len, itemsize=query.dtype.itemsize)[0]
+    return spec.resolve(mesh, batch=B, seq_len=kv_len, itemsize=query.dtype.itemsize, dtype=query.dtype,
+                        has_segments=any(a is not None for a in segments))[0]
 
 
 def _length_padding(pos, seg, kv_seg, kv_pos, q_lengths, kv_lengths, batch: int, q_len: int):

@@ -22,6 +22,8 @@ Letters: B batch, S sequence.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -86,14 +88,18 @@ def ulysses_heads(x_H):
     return lax.dynamic_slice_in_dim(x_H, lax.axis_index(ULYSSES) * n, n)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class GivenQKV:
     """``dot_product_attention``'s projections: the given q, k, v (and sink logits), one chunk, no weights."""
 
-    def __init__(self, q, k, v, sinks=None):
-        self.q, self.k, self.v, self._sinks = q, k, v, sinks
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    sink_logits: jax.Array | None = None
 
     def sinks(self, i):
-        return self._sinks
+        return self.sink_logits
 
     def start(self):
         return None

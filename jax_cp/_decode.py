@@ -42,7 +42,7 @@ from jax_cp._layer import compute_specs, layer_call
 from jax_cp._masks import normalize_window, visible
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place, seq_chunk
 from jax_cp._platform import target_platform
-from jax_cp._projection import LinearProjections, _local_kv, _per_token, _proj
+from jax_cp._projection import LinearProjections, local_kv, per_token, project
 from jax_cp._spec import Layout, lcm
 
 __all__ = ["CACHE_FIELDS", "EMPTY", "NO_WINDOW", "CacheLayout", "cache_layout", "check_inference", "decode_positions",
@@ -120,7 +120,7 @@ def check_cache(cache: dict, spec, batch: int) -> int:
 
 
 def _prefill_shard(params, x_BSD, meta, *cache_args, spec, layout, dtype, cache: CacheLayout):
-    projections = LinearProjections(params, x_BSD, meta.pos, spec=spec, layout=layout, dtype=dtype)
+    projections = LinearProjections.build(params, x_BSD, meta.pos, spec=spec, layout=layout, dtype=dtype)
     y, kept = attention_shard(projections, meta, spec=spec, keep_kv=True)
     return y, cache.write_prefill(kept, *cache_args)
 
@@ -203,12 +203,12 @@ def _new_tokens(params, x_BTD, pos_BT, spec, cl: CacheLayout, dims, dtype):
     """q ``[B, T, H/t, d]`` and the cache's k, v ``[B, T, Kc/t, d]`` of the new tokens (QK-norm, RoPE)."""
     w = params  # this device's compute-layout parameters
     kv_layout = Layout(dims, cl.heads, cl.kv_sharded)
-    local = lambda name, axis: None if name not in w else _local_kv(w[name], kv_layout, axis)
+    local = lambda name, axis: None if name not in w else local_kv(w[name], kv_layout, axis)
     x = x_BTD.astype(dtype)
-    q = _per_token(_proj(x, w["q_kernel"], w.get("q_bias"), dtype), w.get("q_norm"), pos_BT, spec.rope_theta)
-    k = _proj(x, local("k_kernel", 1), local("k_bias", 0), dtype)
-    k = _per_token(k, w.get("k_norm"), pos_BT, spec.rope_theta)
-    return q, k, _proj(x, local("v_kernel", 1), local("v_bias", 0), dtype)
+    q = per_token(project(x, w["q_kernel"], w.get("q_bias"), dtype), w.get("q_norm"), pos_BT, spec.rope_theta)
+    k = project(x, local("k_kernel", 1), local("k_bias", 0), dtype)
+    k = per_token(k, w.get("k_norm"), pos_BT, spec.rope_theta)
+    return q, k, project(x, local("v_kernel", 1), local("v_bias", 0), dtype)
 
 
 def attend_cache(q_BTHd, k_BSKd, v_BSKd, q_pos_BT, k_pos_BS, spec, form: str | None = None, window_left=None):

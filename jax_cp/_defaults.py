@@ -21,7 +21,7 @@ from jax_cp._chips import CHIPS
 from jax_cp._masks import Window, normalize_window
 from jax_cp.exchanges import AllGather, AllToAll, KVExchange, Ring
 
-__all__ = ["AUTO", "Choice", "choose", "chip_of", "describe_kernel", "int_or_auto", "MEASURED_AT", "RULES", "SPLASH_RULES",
+__all__ = ["AUTO", "Choice", "choose", "choose_kernel", "chip_of", "describe_kernel", "int_or_auto", "MEASURED_AT", "RULES", "SPLASH_RULES",
            "SPLASH_LONG_RULES"]
 
 AUTO = "auto"
@@ -63,11 +63,8 @@ RULES = {
     },
 }
 # With the splash kernel in the layer (what kernel="auto" runs on TPU): its custom calls schedule
-# differently from the blockwise kernel's fusions, so the rule was measured again with it
-# (benchmarks/RESULTS.md, "Defaults with splash"); kinds absent here keep the blockwise entry.
-# Figures: bytes fwd / bwd at S = 8K, 32K and 128K since each splash call's rows-with-a-key mask is
-# tied to its own output (_splash._splash_jit; before, the chunks' selects merged and v5e Ulysses hid
-# 0.83 / 0.83).
+# differently from the blockwise kernel's fusions, so it has a rule of its own (benchmarks/RESULTS.md,
+# defaults with splash; bytes fwd / bwd at S = 8K, 32K and 128K); kinds absent here keep the blockwise entry.
 SPLASH_RULES = {
     "v5e": {"ulysses": (AllGather(), 2, 1, "v5e (1,4,2) with splash 1.00 / 1.00, v5e:2x4 (1,4,2) 1.00 / 1.00"),
             "hybrid": (AllToAll(), 2, 0, "v5e (2,2,4) with splash 1.00 / 1.00")},
@@ -76,14 +73,10 @@ SPLASH_RULES = {
                                      "time 0.87 with positions passed)")},
 }
 # Long sequences with splash: from this many tokens per device (S / (c u)) on, the entry replaces the
-# SPLASH_RULES one (the attention kernels outgrow the projections, and the schedule changes with them).
-# v5p Ulysses (1,4,4), B=4, bytes fwd / bwd and time fwd / bwd, first chunk fused against both fused:
-# 16K tokens per device (S=64K) 0.75 / 1.00, 0.75 / 1.00 against 0.62 / 1.00, 0.62 / 1.00; 32K (S=128K)
-# 1.00 / 1.00, 0.75 / 1.00 against 0.62 / 1.00, 0.62 / 1.00; estimated steps within 0.2 %. At 8K
-# tokens per device (S=32K) both fused hides everything and first-only 0.75 forward: the entry above.
-# Measured with the masks built at run time (sorted positions: what positions or segment ids passed by
-# the caller give). With the default positions the masks are constants (_splash._natural_info) and both
-# groupings hide 1.00 / 1.00 in bytes and time at 64K and 128K (eleventh session), so the entry stays.
+# SPLASH_RULES one: the attention kernels outgrow the projections, and the schedule changes with them.
+# Chosen with the masks built at run time (positions or segment ids passed by the caller), where
+# fusing only the first chunk hides more than fusing both; with the default positions both hide
+# everything (benchmarks/RESULTS.md, long sequences with splash).
 SPLASH_LONG_RULES = {
     "v5p": {"ulysses": (16384, (AllGather(), 2, 1, "v5p (1,4,4) with splash at >= 16K tokens per device: "
                                                    "0.75-1.00 / 1.00 in bytes, 0.75 / 1.00 in time"))},
@@ -164,6 +157,41 @@ def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads
     return Choice(exchange, n, fused, why, claim, MEASURED_AT[known] if claim else "")
 
 
+def choose_kernel(kernel=_kernels.AUTO, *, platform: str, kv_exchange, is_causal: bool = False,
+                  local_window_size: Window = None, has_segments: bool = False, dtype=jnp.bfloat16,
+                  head_dim: int = 128, v_head_dim: int | None = None, logits_soft_cap=None, use_sinks: bool = False,
+                  record_max_logits: bool = False, return_residual: bool = False,
+                  kv_len: int | None = None) -> tuple[_kernels.Kernel, str]:
+    """``(kernel, why)``: the kernel a call's exchange steps run on ``platform``, and why.
+
+    The one place ``"auto"`` becomes a kernel (``AttentionSpec.resolve`` calls it for the layers,
+    ``dot_product_attention`` and the planner; :func:`describe_kernel` prints it). ``kv_exchange``:
+    the resolved exchange value; ``kv_len``: the keys one kernel call sees (a ring step's chunk, or
+    every key after an all-gather; ``None``: not known, assumed to fit). An explicit kernel that
+    cannot serve the call raises its ``ValueError``.
+    """
+    kernel = _kernels.resolve(kernel)
+    kv_exchange.check_kernel(kernel)  # e.g. the ring refuses kernels without a log-sum-exp
+    window = normalize_window(local_window_size)
+    needs = dict(is_causal=is_causal, window=window, has_segments=has_segments, dtype=dtype, head_dim=head_dim,
+                 soft_cap=logits_soft_cap is not None, sinks=use_sinks, max_logits=record_max_logits)
+    chosen = _kernels.select_kernel(kernel, platform=platform, **needs, residual=return_residual,
+                                    v_head_dim=v_head_dim, kv_len=kv_len)
+    if kernel != _kernels.AUTO:
+        return chosen, "explicit"
+    runs, why = kv_exchange.step_kernel(chosen)
+    if why:
+        return runs, f"auto on {platform} with kv_exchange={kv_exchange.name!r}: {why}"
+    if chosen == _kernels.BLOCKWISE:
+        why = {"tpu": _kernels.SPLASH.unsupported_reason(window=window, kv_len=kv_len, max_logits=record_max_logits,
+                                                         residual=return_residual),
+               "gpu": _kernels.PALLAS_GPU.unsupported_reason(head_dim=head_dim)}.get(platform)
+        return chosen, f"auto on {platform}: " + (why or "the portable kernel")
+    if chosen == _kernels.PALLAS_GPU:
+        return chosen, f"auto on gpu: {_kernels.CUDNN.unsupported_reason(**needs)}"
+    return chosen, f"auto on {platform}"
+
+
 def describe_kernel(*, kernel=_kernels.AUTO, platform: str | None = None, kv_exchange=None,
                     is_causal: bool = False, local_window_size: Window = None, has_segments: bool = False,
                     dtype=jnp.bfloat16, head_dim: int = 128, logits_soft_cap=None, use_sinks: bool = False,
@@ -175,25 +203,11 @@ def describe_kernel(*, kernel=_kernels.AUTO, platform: str | None = None, kv_exc
     all-gather; ``None``: not known). ``"auto"`` never chooses silently: e.g.
     ``"splash (auto on tpu)"``, or ``"blockwise (auto on tpu: local_window_size=(128, 0) over
     131072 keys in one kernel call ...)"``. An explicit kernel that cannot serve the call raises
-    its ``ValueError``.
+    its ``ValueError``. The decision is :func:`choose_kernel`'s, the one the layers make.
     """
     exchange = exchanges.resolve(exchanges.DEFAULT if kv_exchange is None else kv_exchange)
-    kernel = _kernels.resolve(kernel)
-    exchange.check_kernel(kernel)  # e.g. the ring refuses kernels without a log-sum-exp
-    platform = platform or _kernels.target_platform()
-    window = normalize_window(local_window_size)
-    needs = dict(is_causal=is_causal, window=window, has_segments=has_segments, dtype=dtype, head_dim=head_dim,
-                 soft_cap=logits_soft_cap is not None, sinks=use_sinks, max_logits=record_max_logits)
-    chosen = _kernels.select_kernel(kernel, platform=platform, **needs, kv_len=kv_len)
-    if kernel != _kernels.AUTO:
-        return f"{chosen} (explicit)"
-    runs, why = exchange.step_kernel(chosen)
-    if why:
-        return f"{runs} (auto on {platform} with kv_exchange={exchange.name!r}: {why})"
-    if chosen == _kernels.BLOCKWISE:
-        why = {"tpu": _kernels.SPLASH.unsupported_reason(window=window, kv_len=kv_len, max_logits=record_max_logits),
-               "gpu": _kernels.PALLAS_GPU.unsupported_reason(head_dim=head_dim)}.get(platform)
-        return f"blockwise (auto on {platform}" + (f": {why})" if why else ": the portable kernel)")
-    if chosen == _kernels.PALLAS_GPU:
-        return f"pallas_gpu (auto on gpu: {_kernels.CUDNN.unsupported_reason(**needs)})"
-    return f"{chosen} (auto on {platform})"
+    chosen, why = choose_kernel(kernel, platform=platform or _kernels.target_platform(), kv_exchange=exchange,
+                                is_causal=is_causal, local_window_size=local_window_size, has_segments=has_segments,
+                                dtype=dtype, head_dim=head_dim, logits_soft_cap=logits_soft_cap, use_sinks=use_sinks,
+                                record_max_logits=record_max_logits, kv_len=kv_len)
+    return f"{chosen} ({why})"

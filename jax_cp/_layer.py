@@ -9,7 +9,6 @@ Letters: B batch, S sequence, D model width, H query heads, K kv heads, d head d
 from __future__ import annotations
 
 import dataclasses
-import math
 from functools import partial
 
 import jax
@@ -20,6 +19,7 @@ from jax_cp._body import attention_shard, check_dtype, kernel_for_dtype, metadat
 from jax_cp._defaults import AUTO
 from jax_cp._mesh import CP, DP, TP, gather, mesh_dims, place
 from jax_cp._meta import Meta
+from jax_cp._params import init_param, param_shapes
 from jax_cp._projection import LinearProjections
 from jax_cp._spec import AttentionSpec, Layout, check_seq_batch
 
@@ -81,34 +81,9 @@ def storage_specs(spec: AttentionSpec, mesh, sharding: AttentionSharding | None 
     return (sharding or AttentionSharding()).resolve(_compute_specs(spec, spec.layout(mesh_dims(mesh))))
 
 
-def param_shapes(spec: AttentionSpec) -> dict[str, tuple[int, ...]]:
-    D, H, K, d, E = spec.in_features, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.out_features
-    dv = spec.v_head_dim
-    shapes = {"q_kernel": (D, H, d), "k_kernel": (D, K, d), "v_kernel": (D, K, dv), "o_kernel": (H, dv, E)}
-    if spec.use_bias:
-        shapes |= {"q_bias": (H, d), "k_bias": (K, d), "v_bias": (K, dv), "o_bias": (E,)}
-    if spec.use_qk_norm:
-        shapes |= {"q_norm": (d,), "k_norm": (d,)}
-    if spec.use_sinks:
-        shapes |= {"sinks": (H,)}
-    return shapes
-
-
-def init_param(name: str, shape, key, dtype, kernel_init):
-    """Kernels are initialised as 2-D ``[fan_in, fan_out]`` matrices, then reshaped; norms to ones,
-    biases and sinks to zeros."""
-    if name.endswith("_kernel"):
-        fan_in = shape[0] if name != "o_kernel" else shape[0] * shape[1]
-        flat = kernel_init(key, (fan_in, math.prod(shape) // fan_in), dtype)
-        return flat.reshape(shape)
-    if name.endswith("_norm"):
-        return jnp.ones(shape, dtype)
-    return jnp.zeros(shape, dtype)
-
-
 def _layer_shard(params, x_BSD, *args, spec: AttentionSpec, layout: Layout, dtype):
     *kv_x, meta = args  # cross attention's K/V inputs, then the metadata
-    projections = LinearProjections(params, x_BSD, meta.pos, spec=spec, layout=layout, dtype=dtype,
+    projections = LinearProjections.build(params, x_BSD, meta.pos, spec=spec, layout=layout, dtype=dtype,
                                     kv_x=tuple(kv_x), kv_pos_BS=meta.kv_pos)
     return attention_shard(projections, meta, spec=spec)
 
@@ -136,15 +111,15 @@ def kv_inputs(x_BSD, inputs_k=None, inputs_v=None, inputs_kv=None) -> tuple:
     return (k,) if v is k else (k, v)
 
 
-def _cross_spec(spec: AttentionSpec, cross: bool) -> AttentionSpec:
+def _cross_changes(spec: AttentionSpec, cross: bool) -> dict:
     """Cross attention's K/V are other tokens than Q, so they never share Q's all-to-all."""
     if not cross or spec.fused_qkv_chunks == 0:
-        return spec
+        return {}
     if spec.fused_qkv_chunks != AUTO:
         raise ValueError(f"fused_qkv_chunks={spec.fused_qkv_chunks} sends Q, K and V of the same tokens in one "
                          "all-to-all, but cross attention projects K and V from other inputs; use "
                          "fused_qkv_chunks=0 (or 'auto').")
-    return spec.replace(fused_qkv_chunks=0)
+    return {"fused_qkv_chunks": 0}
 
 
 @dataclasses.dataclass
@@ -181,9 +156,13 @@ def layer_call(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None, po
         raise ValueError(f"inputs_v.shape={kv_x[1].shape} must equal inputs_k.shape={kv_x[0].shape}.")
     dtype = jnp.dtype(x_BSD.dtype if dtype is None else dtype)
     check_dtype("dtype", dtype)
-    spec = spec.replace(local_window_size=local_window_size, scale=scale, kernel=kernel_for_dtype(spec.kernel, dtype))
-    spec, _ = _cross_spec(spec, bool(kv_x)).resolve(
-        mesh, batch=B, seq_len=S_kv, itemsize=dtype.itemsize)
+    # The call's own settings: the spec is validated again only when they change it.
+    changes = dict(local_window_size=local_window_size, scale=scale, kernel=kernel_for_dtype(spec.kernel, dtype),
+                   **_cross_changes(spec, bool(kv_x)))
+    changes = {name: value for name, value in changes.items() if getattr(spec, name) != value}
+    spec = spec.replace(**changes) if changes else spec
+    spec, _ = spec.resolve(mesh, batch=B, seq_len=S_kv, itemsize=dtype.itemsize, dtype=dtype,
+                           has_segments=segment_ids is not None)
     layout = spec.layout(mesh_dims(mesh))
     check_seq_batch(B, S, layout.dims)
     check_seq_batch(B, S_kv, layout.dims, name="the key/value inputs' seq_len")

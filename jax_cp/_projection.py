@@ -1,7 +1,7 @@
 """``CPAttention``'s projections on one device, each with a stated ``jax.custom_vjp`` backward.
 
-``LinearProjections`` is what the per-shard body (``_body.attention_shard``) asks
-for each head chunk: ``project_parts`` runs a chunk's projection matmuls with
+``LinearProjections`` (a frozen pytree of ``ChunkWeights``) is what the per-shard body
+(``_body.attention_shard``) asks for each head chunk: ``project_parts`` runs a chunk's projection matmuls with
 QK-norm and RoPE on the device's own tokens (so the Ulysses exchange can follow
 at once); ``heads_to_model`` is the output side: inverse all-to-all, then the
 output projection. ``tie_cotangents`` orders the chunks' projection backwards
@@ -10,6 +10,7 @@ Letters: B batch, S local sequence, D model width, H heads (of this chunk), d he
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -20,7 +21,8 @@ from jax_cp._mesh import AXES, CP, TP, ULYSSES, seq_chunk
 from jax_cp._posenc import apply_rope, rms_norm
 from jax_cp._ulysses import a2a
 
-__all__ = ["LinearProjections", "project_parts", "heads_to_model", "tie_cotangents"]
+__all__ = ["ChunkWeights", "LinearProjections", "heads_to_model", "local_kv", "per_token", "project", "project_parts",
+           "tie_cotangents"]
 
 
 def _seq_to_heads(y, axis_name):
@@ -31,12 +33,13 @@ def _heads_to_seq(y, axis_name):
     return a2a(y, axis_name, 1, 2)
 
 
-def _proj(x_BSD, w_DHd, b_Hd, dtype):
+def project(x_BSD, w_DHd, b_Hd, dtype):
+    """``x [B, S, D] @ w [D, H, d] (+ b [H, d])`` in ``dtype``."""
     y = jnp.einsum("bsd,dhe->bshe", x_BSD.astype(dtype), w_DHd.astype(dtype))
     return y if b_Hd is None else y + b_Hd.astype(dtype)[None, None]
 
 
-def _per_token(y, norm_d, pos_BS, theta):
+def per_token(y, norm_d, pos_BS, theta):
     """QK-norm then RoPE: per token and head, so they run before the all-to-all on local tokens."""
     if norm_d is not None:
         y = rms_norm(y, norm_d)
@@ -61,9 +64,9 @@ def project_parts(x_BSD, ws, bs, norms, pos_BS, dtype, theta=None, rotate=None):
 
 
 def _parts(x, ws, bs, norms, pos, dtype, theta, rotate):
-    ys = [_proj(x, w, b, dtype) for w, b in zip(ws, bs)]
+    ys = [project(x, w, b, dtype) for w, b in zip(ws, bs)]
     rotate = rotate or (False,) * len(ws)
-    return ys, tuple(_per_token(y, n, pos, theta if r else None) for y, n, r in zip(ys, norms, rotate))
+    return ys, tuple(per_token(y, n, pos, theta if r else None) for y, n, r in zip(ys, norms, rotate))
 
 
 def _pp_fwd(x, ws, bs, norms, pos, dtype, theta, rotate):
@@ -81,7 +84,7 @@ def _pp_bwd(dtype, theta, rotate, res, gs):
         th = theta if r else None
         dn = None
         if n is not None:
-            _, vjp = jax.vjp(lambda y_, n_: _per_token(y_, n_, pos, th), y, n)
+            _, vjp = jax.vjp(lambda y_, n_: per_token(y_, n_, pos, th), y, n)
             g, dn = vjp(g)
         elif th is not None:
             g = apply_rope(g, -pos, th)  # the rotation's transpose is the rotation by -angle
@@ -151,7 +154,7 @@ def _varying(a):
     return lax.pcast(a, missing, to="varying") if missing else a
 
 
-def _local_kv(w, layout, axis: int):
+def local_kv(w, layout, axis: int):
     """Repeat this tp rank's kv heads (axis ``axis``) to the expanded count, minimal."""
     dims, K_exp = layout.dims, layout.kv_expanded
     K = w.shape[axis] * (dims.t if layout.kv_sharded else 1)
@@ -168,41 +171,70 @@ def _chunks(a, n, axis):
     return list(jnp.split(a, n, axis=axis)) if n > 1 else [a]
 
 
-class LinearProjections:
-    """The layer's weights on one device, cut into ``spec.overlap_chunks`` head chunks.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ChunkWeights:
+    """One head chunk's weights on one device (parameter dtype; ``None`` where the layer has none):
+    ``wq [D, H_i, d]``, ``wk``/``wv [D, K_i, d]`` (kv heads repeated to the layout's count),
+    ``wo [H_i, dv, E]``, the biases and the chunk's sink logits ``[H_i]``."""
 
-    Nothing here changes after construction: ``q_parts(i, carry)`` projects chunk i's Q (Q, K and V
-    when the chunk is fused) and hands back the next chunk's carry; on hybrid layouts it also ties
-    those parts to chunk i+1's Q weight
-    (``tie_cotangents``): chunk i's projection backward then waits for chunk
-    i+1's dWq, and XLA hides chunk i's Q-gradient all-to-all under that matmul
-    (v5e (2,2,4) 0.92 -> 1.00; not on pure Ulysses, where it was mixed, nor with
-    exchanges that measured worse: ``KVExchange.ties_chunks``).
+    wq: jax.Array
+    wk: jax.Array
+    wv: jax.Array
+    wo: jax.Array
+    bq: jax.Array | None = None
+    bk: jax.Array | None = None
+    bv: jax.Array | None = None
+    sinks: jax.Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LinearProjections:
+    """The layer's weights and inputs on one device, cut into ``spec.overlap_chunks`` head chunks.
+
+    A frozen pytree built once per call (:meth:`build`); every method is a pure function of it:
+    ``q_parts(i, carry)`` projects chunk i's Q (Q, K and V when the chunk is fused) and hands back the
+    next chunk's carry; on hybrid layouts it also ties those parts to chunk i+1's Q weight
+    (``tie_cotangents``): chunk i's projection backward then waits for chunk i+1's dWq, and XLA
+    hides chunk i's Q-gradient all-to-all under that matmul (benchmarks/RESULTS.md; not on pure
+    Ulysses, nor with exchanges that measured worse: ``KVExchange.ties_chunks``).
     """
 
-    def __init__(self, params, x_BSD, pos_BS, *, spec, layout, dtype, kv_x=(), kv_pos_BS=None):
+    chunks: tuple[ChunkWeights, ...]
+    norms: tuple  # (q_norm, k_norm, None): QK-norm scales, or None
+    o_bias: jax.Array | None
+    x: jax.Array  # this device's tokens [B, S/(c*u), D], in the compute dtype
+    pos: jax.Array  # their positions, for RoPE before the exchange
+    kv_x: tuple  # cross attention's K/V inputs (one for both, or K's and V's), else ()
+    kv_pos: jax.Array  # the K/V tokens' positions
+    spec: object = dataclasses.field(metadata=dict(static=True))
+    dtype: object = dataclasses.field(metadata=dict(static=True))
+    tie: bool = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def build(cls, params, x_BSD, pos_BS, *, spec, layout, dtype, kv_x=(), kv_pos_BS=None) -> "LinearProjections":
+        """This device's share of ``params`` (compute layout) cut into chunks, with the inputs."""
         n = spec.overlap_chunks
-        self.spec, self.dtype, self.o_bias = spec, dtype, params.get("o_bias")
-        self.x = _varying(x_BSD.astype(dtype))
+        x = _varying(x_BSD.astype(dtype))  # (the order of these steps is the traced program's)
         w = {k: _varying(v) for k, v in params.items()}  # parameter dtype; cast to dtype inside each block
-        wk, wv = _local_kv(w["k_kernel"], layout, 1), _local_kv(w["v_kernel"], layout, 1)
-        b = (w["q_bias"], _local_kv(w["k_bias"], layout, 0), _local_kv(w["v_bias"], layout, 0)) \
+        wk, wv = local_kv(w["k_kernel"], layout, 1), local_kv(w["v_kernel"], layout, 1)
+        b = (w["q_bias"], local_kv(w["k_bias"], layout, 0), local_kv(w["v_bias"], layout, 0)) \
             if spec.use_bias else (None, None, None)
-        self.norms = (w.get("q_norm"), w.get("k_norm"), None)
-        self.pos = seq_chunk(pos_BS, CP)  # this device's tokens, for RoPE before the exchange
+        pos = seq_chunk(pos_BS, CP)
         # Cross attention: K and V projected from other tokens (one input for both, or K's and V's)
         # at their own positions; never fused with Q (the layer refuses fused_qkv_chunks then).
-        self.kv_x = tuple(_varying(a.astype(dtype)) for a in kv_x)
-        self.kv_pos = self.pos if kv_pos_BS is None else seq_chunk(kv_pos_BS, CP)
-        self.wq = _chunks(w["q_kernel"], n, 1)
-        self.wkv = list(zip(_chunks(wk, n, 1), _chunks(wv, n, 1)))
-        self.wo = _chunks(w["o_kernel"], n, 0)
-        self.b = list(zip(*(_chunks(bias, n, 0) for bias in b)))
-        self._sinks = _chunks(w.get("sinks"), n, 0)  # with the query heads of each chunk
-        self.tie = spec.ties_chunks(layout.dims)
+        kv_x = tuple(_varying(a.astype(dtype)) for a in kv_x)
+        kv_pos = pos if kv_pos_BS is None else seq_chunk(kv_pos_BS, CP)
+        chunks = tuple(ChunkWeights(*ws) for ws in zip(
+            _chunks(w["q_kernel"], n, 1), _chunks(wk, n, 1), _chunks(wv, n, 1), _chunks(w["o_kernel"], n, 0),
+            *(_chunks(bias, n, 0) for bias in b), _chunks(w.get("sinks"), n, 0)))
+        return cls(chunks=chunks, norms=(w.get("q_norm"), w.get("k_norm"), None), o_bias=params.get("o_bias"),
+                   x=x, pos=pos, kv_x=kv_x, kv_pos=kv_pos, spec=spec, dtype=dtype, tie=spec.ties_chunks(layout.dims))
 
     def _project(self, i, wq, idx, x=None, pos=None):
-        ws, bs = (wq, *self.wkv[i]), self.b[i]
+        c = self.chunks[i]
+        ws, bs = (wq, c.wk, c.wv), (c.bq, c.bk, c.bv)
         w, b, n = (tuple(t[j] for j in idx) for t in (ws, bs, self.norms))
         rotate = tuple(j < 2 for j in idx)  # RoPE on q and k
         x, pos = (self.x, self.pos) if x is None else (x, pos)
@@ -210,7 +242,7 @@ class LinearProjections:
 
     def start(self):
         """The chunk loop's carry before chunk 0: its Q weight."""
-        return self.wq[0]
+        return self.chunks[0].wq
 
     def q_parts(self, i, wq):
         """Chunk i's Q (Q, K and V when the chunk is fused) from its Q weight ``wq`` (the carry), and
@@ -218,13 +250,13 @@ class LinearProjections:
         the last chunk)."""
         fused = i < self.spec.fused_qkv_chunks  # Q, K and V cross cp_ulysses in one all-to-all
         parts = self._project(i, wq, (0, 1, 2) if fused else (0,))
-        if i + 1 == len(self.wq):
+        if i + 1 == len(self.chunks):
             return parts, None
-        nxt = self.wq[i + 1]
+        nxt = self.chunks[i + 1].wq
         return tie_cotangents(parts, nxt) if self.tie else (parts, nxt)
 
     def sinks(self, i):
-        return self._sinks[i]
+        return self.chunks[i].sinks
 
     def kv_parts(self, i):
         if len(self.kv_x) == 2:  # cross attention, K and V from inputs of their own
@@ -234,7 +266,7 @@ class LinearProjections:
         return self._project(i, None, (1, 2), x, self.kv_pos)
 
     def output(self, i, o):
-        return lax.optimization_barrier(heads_to_model(o, self.wo[i], ULYSSES))
+        return lax.optimization_barrier(heads_to_model(o, self.chunks[i].wo, ULYSSES))
 
     def finish(self, y):
         y = lax.psum(y, TP)

@@ -7,15 +7,19 @@ derive from it, and every shape or divisibility error is raised here.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+
+import jax.numpy as jnp
 
 from jax_cp import exchanges as _exchanges
 from jax_cp import kernels as _kernels
 from jax_cp._chips import CHIPS
-from jax_cp._checks import check_positive_fields, check_positive_int
-from jax_cp._defaults import AUTO, Choice, chip_of, choose
+from jax_cp._checks import check_positive_int
+from jax_cp._defaults import AUTO, Choice, chip_of, choose, choose_kernel
 from jax_cp._masks import Window, normalize_window
 from jax_cp._mesh import MeshDims, lcm, mesh_dims
+from jax_cp._params import DERIVED, derive_dims
 
 __all__ = ["AttentionSpec", "Layout", "check_seq_batch"]
 
@@ -69,34 +73,14 @@ class AttentionSpec:
 
     def __post_init__(self):
         set_ = partial_setattr(self)
-        set_("derived", tuple(n for n in _DERIVED if getattr(self, n) is None))
-        check_positive_int("num_heads", self.num_heads)
-        if self.head_dim is None:
-            if self.in_features is None:
-                raise ValueError("head_dim=None needs in_features to derive it from; pass head_dim.")
-            check_positive_int("in_features", self.in_features)
-            if self.in_features % self.num_heads:
-                raise ValueError(f"in_features={self.in_features} is not divisible by num_heads={self.num_heads}; "
-                                 "pass head_dim explicitly.")
-            set_("head_dim", self.in_features // self.num_heads)
-        set_("num_kv_heads", self.num_heads if self.num_kv_heads is None else self.num_kv_heads)
-        check_positive_fields(self, ("num_kv_heads", "head_dim")
-                              + (("overlap_chunks",) if self.overlap_chunks != AUTO else ())
-                              + (("in_features",) if self.in_features is not None else ()))
-        set_("v_head_dim", self.head_dim if self.v_head_dim is None else self.v_head_dim)
-        check_positive_int("v_head_dim", self.v_head_dim)
-        if self.out_features is not None:
-            check_positive_int("out_features", self.out_features)
-        elif self.in_features is not None:
-            set_("out_features", self.in_features)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
-                "grouped-query attention needs kv heads dividing the query heads."
-            )
-        if self.rope_theta is not None and (self.rope_theta <= 0 or self.head_dim % 2):
-            raise ValueError(f"rope_theta={self.rope_theta} needs rope_theta > 0 and an even head_dim "
-                             f"(got {self.head_dim}).")
+        set_("derived", tuple(n for n in DERIVED if getattr(self, n) is None))
+        dims = derive_dims(num_heads=self.num_heads, in_features=self.in_features, num_kv_heads=self.num_kv_heads,
+                           head_dim=self.head_dim, out_features=self.out_features, v_head_dim=self.v_head_dim,
+                           rope_theta=self.rope_theta)
+        for name, value in dims.items():
+            set_(name, value)
+        if self.overlap_chunks != AUTO:
+            check_positive_int("overlap_chunks", self.overlap_chunks)
         set_("local_window_size", normalize_window(self.local_window_size))
         set_("kernel", _kernels.resolve(self.kernel))
         _kernels.check_block("block_q", self.block_q)
@@ -113,7 +97,7 @@ class AttentionSpec:
 
     @property
     def is_resolved(self) -> bool:
-        return AUTO not in (self.overlap_chunks, self.fused_qkv_chunks, self.kv_exchange)
+        return AUTO not in (self.overlap_chunks, self.fused_qkv_chunks, self.kv_exchange, self.kernel)
 
     def _check_fused(self):
         f, ex, n = self.fused_qkv_chunks, self.kv_exchange, self.overlap_chunks
@@ -131,24 +115,31 @@ class AttentionSpec:
         again = {name: None for name in self.derived if name not in changes}
         return dataclasses.replace(self, **again, **changes)
 
-    def resolve(self, mesh, *, batch: int | None = None, seq_len: int | None = None,
-                itemsize: int = 2) -> tuple["AttentionSpec", Choice | None]:
+    def _filled(self, **resolved) -> "AttentionSpec":
+        """A copy with the values ``resolve`` chose, not validated again: the rule only chooses valid ones."""
+        spec = copy.copy(self)
+        for name, value in resolved.items():
+            object.__setattr__(spec, name, value)
+        return spec
+
+    def resolve(self, mesh, *, batch: int | None = None, seq_len: int | None = None, itemsize: int = 2,
+                dtype=None, has_segments: bool = False) -> tuple["AttentionSpec", Choice | None]:
         """This spec with every ``"auto"`` filled in for ``mesh`` (explicit values kept), and the
-        ``Choice`` behind it (``None`` when nothing was auto). ``batch``/``seq_len`` enable the
-        memory rule (the ring when all-gathered K/V would not fit) and, with ``seq_len``, the
-        long-sequence entries (``_defaults.SPLASH_LONG_RULES``)."""
+        ``Choice`` behind the grouping (``None`` when exchange and chunks were explicit).
+
+        The one resolution step of a call: the layers, ``dot_product_attention`` and the planner all
+        call it. ``batch``/``seq_len`` enable the memory rule (the ring when all-gathered K/V would
+        not fit) and, with ``seq_len``, the long-sequence entries (``_defaults.SPLASH_LONG_RULES``).
+        The kernel is chosen here too (``_defaults.choose_kernel``), for inputs of ``dtype``
+        (default: the float type of ``itemsize`` bytes) with or without segment ids.
+        """
         if self.is_resolved:
             return self, None
         dims = mesh_dims(mesh)
         platform, chip = chip_of(mesh.devices.flat[0])
-        kv_bytes = hbm = None
-        if batch and seq_len:
-            kv_local = lcm(self.num_kv_heads, dims.t * dims.u) // (dims.t * dims.u)
-            kv_bytes = (batch // dims.dp) * seq_len * kv_local * (self.head_dim + self.v_head_dim) * itemsize
-            hbm = _hbm_bytes(chip)
-        c = choose(platform=platform, chip=chip, c=dims.c, u=dims.u, t=dims.t, num_heads=self.num_heads,
-                   kv_bytes_per_device=kv_bytes, hbm_bytes=hbm, kernel=self._tpu_kernel(platform),
-                   tokens_per_device=seq_len // (dims.c * dims.u) if seq_len else None)
+        c = None
+        if AUTO in (self.overlap_chunks, self.fused_qkv_chunks, self.kv_exchange):
+            c = self._choice(dims, platform, chip, batch, seq_len, itemsize)
         ex = self.kv_exchange
         if ex == AUTO:  # the rule's exchange, unless an explicit kernel or fusing rules it out
             ex = c.kv_exchange
@@ -160,7 +151,25 @@ class AttentionSpec:
             n = f
         if f == AUTO:
             f = min(c.fused_qkv_chunks, n) if ex.fuses_qkv else 0
-        return self.replace(kv_exchange=ex, overlap_chunks=n, fused_qkv_chunks=f), c
+        kernel, _ = choose_kernel(
+            self.kernel, platform=platform, kv_exchange=ex, is_causal=self.is_causal,
+            local_window_size=self.local_window_size, has_segments=has_segments,
+            dtype=_FLOAT_OF_SIZE.get(itemsize, jnp.bfloat16) if dtype is None else jnp.dtype(dtype),
+            head_dim=self.head_dim, v_head_dim=self.v_head_dim, logits_soft_cap=self.logits_soft_cap,
+            use_sinks=self.use_sinks, record_max_logits=self.record_max_logits, return_residual=self.return_residual,
+            kv_len=None if seq_len is None else ex.keys_per_call(seq_len, dims.c))
+        return self._filled(kv_exchange=ex, overlap_chunks=n, fused_qkv_chunks=f, kernel=kernel), c
+
+    def _choice(self, dims: MeshDims, platform: str, chip: str | None, batch, seq_len, itemsize) -> Choice:
+        """The rule's grouping for this layer on a mesh of ``dims`` (``_defaults.choose``)."""
+        kv_bytes = hbm = None
+        if batch and seq_len:
+            kv_local = lcm(self.num_kv_heads, dims.t * dims.u) // (dims.t * dims.u)
+            kv_bytes = (batch // dims.dp) * seq_len * kv_local * (self.head_dim + self.v_head_dim) * itemsize
+            hbm = _hbm_bytes(chip)
+        return choose(platform=platform, chip=chip, c=dims.c, u=dims.u, t=dims.t, num_heads=self.num_heads,
+                      kv_bytes_per_device=kv_bytes, hbm_bytes=hbm, kernel=self._tpu_kernel(platform),
+                      tokens_per_device=seq_len // (dims.c * dims.u) if seq_len else None)
 
     def _tpu_kernel(self, platform: str) -> _kernels.Kernel:
         """The local kernel the layer runs on ``platform`` as the rule sees it: splash where ``auto`` (or
@@ -202,7 +211,7 @@ def _runs(exchange, kernel: str) -> bool:
     return True
 
 
-_DERIVED = ("head_dim", "num_kv_heads", "v_head_dim", "out_features")  # None: from the other fields
+_FLOAT_OF_SIZE = {2: jnp.bfloat16, 4: jnp.float32, 8: jnp.float64}
 
 
 def partial_setattr(obj):

@@ -378,7 +378,7 @@ def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids
     # Each call's rows-with-a-key mask is tied to its own output: the masks of a layer's head
     # chunks are equal (same positions), so XLA would merge the chunks' selects into one fusion,
     # and chunk 0's output (and its all-to-all) would wait for chunk 1's kernel. Tied, chunk 0's
-    # output all-to-all runs under chunk 1's kernel (v5e Ulysses defaults 0.83 -> 1.00 forward).
+    # output all-to-all runs under chunk 1's kernel (benchmarks/RESULTS.md, defaults with splash).
     o, has_key_BT = lax.optimization_barrier((o, has_key_BT))
     return jnp.where(has_key_BT[:, :T, None, None], o, 0).astype(q_BTHd.dtype)
 

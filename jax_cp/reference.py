@@ -5,15 +5,16 @@ Letters: B batch, S sequence, H query heads, K kv heads, d head dim.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from flax import nnx
 
 from jax_cp._dense import attend
-from jax_cp._layer import init_param, param_shapes
+from jax_cp._params import derive_dims, init_param, param_shapes
 from jax_cp._posenc import apply_rope, rms_norm
-from jax_cp._spec import AttentionSpec
 
-__all__ = ["Attention", "attend", "attention_layer", "dot_product_attention"]
+__all__ = ["Attention", "LayerSpec", "attend", "attention_layer", "dot_product_attention"]
 
 
 def dot_product_attention(
@@ -51,11 +52,12 @@ def dot_product_attention(
     return (out, *extra) if extra else out
 
 
-def attention_layer(params: dict, x_BSD, *, spec: AttentionSpec, dtype=None, positions=None,
+def attention_layer(params: dict, x_BSD, *, spec, dtype=None, positions=None,
                     segment_ids=None, local_window_size=None, scale=None, inputs_k=None, inputs_v=None,
                     kv_positions=None, kv_segment_ids=None):
     """Single-device twin of ``jax_cp.CPAttention``'s forward (plain jnp, float32 math; float64 for float64);
-    ``(y, max_logits)`` with ``spec.record_max_logits``. Cross attention: keys from ``inputs_k``,
+    ``(y, max_logits)`` with ``spec.record_max_logits``. ``spec``: a :class:`LayerSpec` or a layer's
+    ``jax_cp.AttentionSpec`` (the fields both have are read). Cross attention: keys from ``inputs_k``,
     values from ``inputs_v`` (each defaulting to the one before), at ``kv_positions``
     (``arange(S_kv)`` when None) with ``kv_segment_ids``."""
     B, S, _ = x_BSD.shape
@@ -92,6 +94,33 @@ def attention_layer(params: dict, x_BSD, *, spec: AttentionSpec, dtype=None, pos
     return (y.astype(dtype), *max_logits) if max_logits else y.astype(dtype)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerSpec:
+    """What the reference layer computes: ``jax_cp.AttentionSpec``'s head dims (derived and checked
+    alike, ``_params.derive_dims``) and mask, without the CP-only fields."""
+
+    num_heads: int
+    in_features: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    out_features: int | None = None
+    v_head_dim: int | None = None
+    is_causal: bool = False
+    use_qk_norm: bool = False
+    rope_theta: float | None = None
+    use_bias: bool = False
+    use_sinks: bool = False
+    logits_soft_cap: float | None = None
+    record_max_logits: bool = False
+
+    def __post_init__(self):
+        dims = derive_dims(num_heads=self.num_heads, in_features=self.in_features, num_kv_heads=self.num_kv_heads,
+                           head_dim=self.head_dim, out_features=self.out_features, v_head_dim=self.v_head_dim,
+                           rope_theta=self.rope_theta)
+        for name, value in dims.items():
+            object.__setattr__(self, name, value)
+
+
 class Attention(nnx.Module):
     """Plain single-device attention holding the same parameters as ``jax_cp.CPAttention``.
 
@@ -105,7 +134,7 @@ class Attention(nnx.Module):
                  use_qk_norm=False, rope_theta=None, use_bias=False, use_sinks=False, logits_soft_cap=None,
                  record_max_logits=False, dtype=None, param_dtype=jnp.float32,
                  kernel_init=nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
-        self.spec = AttentionSpec(
+        self.spec = LayerSpec(
             num_heads=num_heads, in_features=in_features, num_kv_heads=num_kv_heads, head_dim=head_dim,
             out_features=out_features, v_head_dim=v_head_dim, is_causal=is_causal, use_qk_norm=use_qk_norm, rope_theta=rope_theta, use_bias=use_bias,
             use_sinks=use_sinks, logits_soft_cap=logits_soft_cap, record_max_logits=record_max_logits,

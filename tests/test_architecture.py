@@ -11,6 +11,10 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import pytest
+
 import jax_cp
 from util import child_env
 
@@ -42,7 +46,7 @@ def test_exchange_names_live_only_in_the_exchange_folder():
 
 def test_grouped_query_message_exists_once():
     hits = [p for p in _files("jax_cp", "models") if "is not a multiple of num_kv_heads" in p.read_text()]
-    assert [p.relative_to(REPO).as_posix() for p in hits] == ["jax_cp/_spec.py"]
+    assert [p.relative_to(REPO).as_posix() for p in hits] == ["jax_cp/_params.py"]
 
 
 def test_functions_are_short():
@@ -65,10 +69,10 @@ def test_example_model_uses_the_library():
 # The floors of jax_cp, ground first: a module imports modules of its own floor or lower ones only
 # (imports inside functions included), and no import circle closes anywhere.
 FLOORS = (
-    ("facts and metadata", ("_platform", "_chips", "_checks", "_masks", "_meta", "_posenc", "_ulysses", "_mesh", "_dense",
-                            "_dispatch")),
+    ("facts and metadata", ("_platform", "_chips", "_checks", "_masks", "_meta", "_params", "_posenc", "_ulysses", "_mesh",
+                            "_dense")),
     ("kernels", ("_blockwise", "_splash", "_pallas_gpu", "kernels")),
-    ("per-shard steps", ("exchanges", "_projection", "load_balance")),
+    ("per-shard steps", ("exchanges", "_projection", "load_balance", "_dispatch")),
     ("the rule", ("_defaults", "_spec")),
     ("entry points", ("_body", "_layer", "_attention", "_decode", "reference")),
     ("flax faces", ("_module", "linen", "__init__")),
@@ -112,6 +116,14 @@ def test_imports_go_down_or_along_never_up():
     up = [f"{m} (floor {FLOORS[FLOOR[_room(m)]][0]!r}) imports {t} (floor {FLOORS[FLOOR[_room(t)]][0]!r})"
           for m, targets in _graph().items() for t in sorted(targets) if FLOOR[_room(t)] > FLOOR[_room(m)]]
     assert not up, up
+
+
+def test_the_reference_stands_on_the_ground_floor():
+    """The ground truth shares only facts (metadata, parameter shapes, RoPE) and the dense kernel's
+    plain attention with the code it checks: nothing of the kernels, exchanges or the layer."""
+    imports = _graph()["jax_cp.reference"]
+    assert imports and all(FLOOR[_room(m)] == 0 for m in imports), sorted(imports)
+    assert "jax_cp._dense" in imports
 
 
 def test_the_import_graph_has_no_circle():
@@ -206,6 +218,51 @@ def test_no_per_shard_class_holds_state_that_traced_code_mutates():
     assert len(paths) >= 12, paths
     found = [f"{p.relative_to(REPO)}: {m}" for p in paths for m in _mutations(p)]
     assert not found, found
+
+
+def test_the_body_is_driven_by_frozen_pytrees():
+    """What the per-shard body is handed (the layer's chunked weights, dot_product_attention's q, k,
+    v) is a frozen dataclass registered as a pytree: flattened and rebuilt, it is the same value."""
+    import dataclasses
+    from jax_cp._body import GivenQKV
+    from jax_cp._projection import ChunkWeights, LinearProjections
+
+    w = ChunkWeights(*(jnp.full((2, 2), i, jnp.float32) for i in range(4)))
+    proj = LinearProjections(chunks=(w, w), norms=(None, None, None), o_bias=None, x=jnp.ones((1, 2, 2)),
+                             pos=jnp.arange(2)[None], kv_x=(), kv_pos=jnp.arange(2)[None], spec="a spec",
+                             dtype=jnp.float32, tie=False)
+    for value, leaves in ((proj, 4 * 2 + 3), (GivenQKV(*(jnp.zeros(2),) * 3), 3)):
+        assert dataclasses.is_dataclass(value) and type(value).__dataclass_params__.frozen
+        flat, tree = jax.tree.flatten(value)
+        assert len(flat) == leaves
+        rebuilt = jax.tree.unflatten(tree, flat)
+        assert type(rebuilt) is type(value)
+        assert all(a is b for a, b in zip(jax.tree.leaves(rebuilt), flat))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        proj.x = None
+
+
+def test_a_call_validates_its_spec_at_most_once(monkeypatch):
+    """``"auto"`` is resolved in one step that does not validate the spec again: a layer call
+    validates at most once (only when its own window/scale change the spec), a
+    dot_product_attention call once."""
+    from flax import nnx
+    from jax_cp import _spec
+
+    calls = []
+    original = _spec.AttentionSpec.__post_init__
+    monkeypatch.setattr(_spec.AttentionSpec, "__post_init__", lambda self: (calls.append(1), original(self)))
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    attn = jax_cp.CPAttention(8, 32, mesh=mesh, is_causal=True, rngs=nnx.Rngs(0))
+    x = jnp.ones((2, 16, 32), jnp.float32)
+    for window, expected in ((None, 0), (4, 1)):
+        calls.clear()
+        jax.eval_shape(lambda x: attn(x, local_window_size=window), x)
+        assert len(calls) == expected, (window, len(calls))
+    calls.clear()
+    q = jnp.ones((2, 16, 8, 4), jnp.float32)
+    jax.eval_shape(lambda q: jax_cp.dot_product_attention(q, q, q, mesh=mesh, is_causal=True), q)
+    assert len(calls) == 1
 
 
 KERNEL_NAMES = set(jax_cp.kernels.KERNELS) - {"auto"}

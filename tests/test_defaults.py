@@ -79,7 +79,8 @@ def test_resolution_keeps_explicit_values_on_a_tpu_mesh():
     spec, _ = jax_cp.AttentionSpec(**base, kv_exchange="ring").resolve(mesh)  # explicit exchange wins
     assert spec.kv_exchange == RING
     explicit = jax_cp.AttentionSpec(**base, kv_exchange="all_gather", overlap_chunks=1, fused_qkv_chunks=0)
-    assert explicit.resolve(mesh) == (explicit, None)
+    assert explicit.resolve(mesh) == (explicit.replace(kernel="splash"), None)  # only the kernel was auto
+    assert explicit.replace(kernel="blockwise").resolve(mesh) == (explicit.replace(kernel="blockwise"), None)
 
 
 def test_module_defaults_are_auto_and_resolve_on_the_cpu():

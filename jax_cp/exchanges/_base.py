@@ -46,6 +46,11 @@ class KVExchange:
     def check_kernel(self, kernel: str) -> None:
         """Raises a ValueError if this exchange's attend step cannot run ``kernel``."""
 
+    def keys_per_call(self, seq_len: int, c: int) -> int:
+        """The keys one local kernel call sees on a layer of ``seq_len`` keys over ``c`` colossal ranks
+        (a kernel's limits, e.g. splash's windows, depend on it): every key, once exchanged."""
+        return seq_len
+
     def step_kernel(self, chosen: str) -> tuple[str, str]:
         """``(kernel, why)``: what this exchange's steps run when the local selection (``"auto"``)
         chose ``chosen``, and why it differs (``""`` when it does not)."""

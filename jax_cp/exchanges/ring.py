@@ -255,13 +255,16 @@ class Ring(KVExchange):
     """K/V pass around the ``cp_colossal`` ring (``lax.ppermute``), one chunk live at a time."""
 
     name = "ring"
-    ties_chunks = False  # measured worse with the tie (v5e (2,4,2) 4 chunks 1.00 -> 0.77)
+    ties_chunks = False  # the tie hides less of the ring's schedule (benchmarks/RESULTS.md)
 
     def check_kernel(self, kernel) -> None:
         if kernel != _kernels.AUTO and not _kernels.resolve(kernel).merges_lse:
             raise ValueError(f"kernel={kernel!r} cannot run kv_exchange='ring', whose steps merge log-sum-exps "
                              "(the blockwise, splash and pallas_gpu kernels return them); use kernel='auto', "
                              "'blockwise', 'splash' or 'pallas_gpu' (or kv_exchange='all_gather').")
+
+    def keys_per_call(self, seq_len, c):
+        return seq_len // c  # one ring step: the chunk that travels
 
     def step_kernel(self, chosen):
         if chosen.merges_lse:

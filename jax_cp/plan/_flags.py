@@ -35,25 +35,22 @@ _TPU_V5E_FLAGS = (
     "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
     "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
     # The same continuation for all-reduce: tp's backward activation sums and the head's gradient sum
-    # run inside the matmuls that follow them (v5e has no SparseCores to offload them to). The planned
-    # Llama-3-8B step (v5e:4x4 (2,2,4), S=8K, 4 and 8 layers, extrapolated to 32): exposed
-    # communication 11.1 -> 8.0 % of the estimated step (benchmarks/RESULTS.md, "A whole training step").
+    # run inside the matmuls that follow them (v5e has no SparseCores to offload them to); the exposed
+    # communication of a planned step falls (benchmarks/RESULTS.md, a whole training step).
     "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true",
 )
 # v5p (libtpu 0.0.52): with the default scheduler features, XLA front-loads the projections and
-# leaves half the all-to-alls with nothing inside; measured with the layer (benchmarks/RESULTS.md),
-# this one switch hides them (e.g. Ulysses (1,4,4) chunks=2: 0.50 / 0.25 -> 0.88 / 0.88 forward /
-# backward). On v5e it changed no schedule we compiled, so it stays v5p-only.
+# leaves half the all-to-alls with nothing inside; this one switch hides them (benchmarks/RESULTS.md).
+# On v5e it changes no schedule we compiled, so it stays v5p-only.
 _TPU_V5P_FLAGS = (
     "--xla_tpu_enable_all_experimental_scheduler_features=true",
     # v5p has no async all-gather fusion (above); offloaded to the SparseCores an all-gather runs
-    # asynchronously beside the TensorCore's matmuls (all-gather layouts 0.00 -> 1.00 forward).
+    # asynchronously beside the TensorCore's matmuls.
     "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
     # The same for all-reduce: the gradient sums over the CP axes and tp's backward activation sums,
     # synchronous on the TensorCore in every v5p schedule we read, run on the SparseCores beside the
-    # matmuls (the forward tp sums become asynchronous too, but half have nothing to run beside). The
-    # planned Llama-3-8B step (32 layers, v5p:4x4x4 (4,4,4), S=32K): exposed communication 48.3 ->
-    # 18.2 ms of an estimated 585 -> 571 ms step (benchmarks/RESULTS.md, "A whole training step").
+    # matmuls (the forward tp sums become asynchronous too, but half have nothing to run beside);
+    # the exposed communication of a planned step falls (benchmarks/RESULTS.md, a whole training step).
     "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
 )
 
