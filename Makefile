@@ -3,15 +3,18 @@
 #                    with the newest jax/flax/optax/orbax the index serves (upgraded every time)
 # make train       : same venv as make test, train the tiny model on 8 simulated CPU devices
 # make generate    : sample from make train's checkpoint (CP prefill + sharded KV cache decode)
+# make docs        : same venv, install jax_cp[docs], build the site into build/docs (mkdocs --strict:
+#                    warnings are errors; offline)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.jax_cp-installed
+DOCS_STAMP := $(VENV)/.jax_cp-docs-installed
 PYTEST_ARGS ?= -n 2 --dist worksteal --durations=25
 PIP_FLAGS ?=
 PYTHON312 ?= $(shell .ci/find-python312)
 
-.PHONY: test test-newest train generate install clean
+.PHONY: test test-newest train generate install docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +43,14 @@ generate: $(STAMP)
 	@test -d runs/tiny/checkpoints || { echo "no runs/tiny checkpoint: run make train first"; exit 2; }
 	JAX_PLATFORMS=cpu $(PY) -m models.generate --checkpoint runs/tiny --devices 8 --cp-colossal 2 \
 		--cp-ulysses 2 --tp 2 --prompt "def " --max-new-tokens 200 --temperature 0.8 --top-k 20
+
+$(DOCS_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(PIP_FLAGS) -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) .venv312 runs .pytest_cache
