@@ -24,6 +24,7 @@ import numpy as np
 
 from jax_cp._masks import Window, normalize_window
 from jax_cp._mesh import MeshDims, is_explicit, mesh_dims
+from jax_cp.exchanges import attended as _attended
 
 __all__ = ["Dispatch", "fixed", "plan"]
 
@@ -49,7 +50,11 @@ class Dispatch:
       chunks: ``[B, N]`` int32, the natural chunk (tokens ``[n*S/N, (n+1)*S/N)``) at each chunk
         slot; colossal rank ``i`` holds slots ``[i*N/c, (i+1)*N/c)``, in ascending natural order.
       pairs: ``[B, c]`` float64, visible (query, key) pairs of each colossal rank's queries, per row.
+      blocks: ``[B, S/U, 5, 3]`` int32, per block of ``U`` dispatched tokens and each of its three parts
+        (``exchanges.attended.block_summary``): any valid token, and the
+        valid tokens' least and greatest segment id and position (what :attr:`kv_exchange` counts).
       dims: the mesh sizes the plan is for.
+      is_causal, window: the mask the plan balanced (and :attr:`kv_exchange` serves).
     """
 
     perm: np.ndarray
@@ -57,7 +62,10 @@ class Dispatch:
     positions: np.ndarray
     chunks: np.ndarray
     pairs: np.ndarray
+    blocks: np.ndarray
     dims: MeshDims
+    is_causal: bool = True
+    window: Window = None
 
     def reorder(self, tree, axis: int = 1):
         """Every array of ``tree`` (batch on axis 0, sequence on ``axis``) in the dispatched order.
@@ -96,9 +104,30 @@ class Dispatch:
         ratio = np.where(mean > 0, w.max(axis=1) / np.where(mean > 0, mean, 1.0), 1.0)
         return float(ratio.max())
 
+    @property
+    def kv_exchange(self) -> _attended.Attended:
+        """The K/V exchange for this batch (``kv_exchange=`` of attention on the dispatched order, with the
+        mask the plan was given): each rank receives only the key blocks its queries may see
+        (``jax_cp.exchanges.Attended``), its buffers bucketed so a run compiles a handful of values."""
+        return self.kv_exchange_for(is_causal=self.is_causal, local_window_size=self.window)
 
-jax.tree_util.register_dataclass(Dispatch, data_fields=["perm", "inverse", "positions", "chunks", "pairs"],
-                                 meta_fields=["dims"])
+    def kv_exchange_for(self, *, is_causal: bool = True, local_window_size=None) -> _attended.Attended:
+        """As :attr:`kv_exchange`, for a layer with another mask on the same batch (e.g. a model mixing
+        sliding-window and global layers: a window's layers move about a window of keys)."""
+        if isinstance(self.blocks, jax.core.Tracer):
+            raise ValueError("Dispatch.kv_exchange is read on the host (its sizes set the compiled program): take "
+                             "it before jit and pass it as a static argument, or close over it.")
+        if not isinstance(is_causal, bool):
+            raise ValueError(f"is_causal={is_causal!r} must be True or False.")
+        blocks = np.asarray(self.blocks)
+        summary = _attended.block_summary_of(blocks)
+        counts = _attended.needed_from_summary(summary, self.dims.c, is_causal=is_causal,
+                                               local_window_size=local_window_size)
+        return _attended.exchange_for(counts, self.perm.shape[1] // blocks.shape[1], blocks.shape[1] // self.dims.c)
+
+
+jax.tree_util.register_dataclass(Dispatch, data_fields=["perm", "inverse", "positions", "chunks", "pairs", "blocks"],
+                                 meta_fields=["dims", "is_causal", "window"])
 
 
 def plan(segment_ids, mesh, *, positions=None, is_causal: bool = True, local_window_size=None,
@@ -143,7 +172,8 @@ def plan(segment_ids, mesh, *, positions=None, is_causal: bool = True, local_win
     counts_BS, doc_BS, dual_B = _rows(seg_BS, pos_BS, is_causal, window)
     best = None
     for _ in range(_REFINEMENTS + 1):  # finer chunks only where the coarse ones leave a rank > 2% over the mean
-        d = _dispatch(_chunk_order(counts_BS, doc_BS, dual_B, dims, k), counts_BS, pos_BS, dims)
+        d = _dispatch(_chunk_order(counts_BS, doc_BS, dual_B, dims, k), counts_BS, pos_BS, dims, seg_BS,
+                      is_causal, window)
         best = d if best is None or d.imbalance() < best.imbalance() else best
         k *= 2
         if best.imbalance() <= _GOOD_ENOUGH or (S // dims.c) % k:
@@ -169,11 +199,12 @@ def fixed(segment_ids, mesh, *, balanced: bool = True, positions=None, is_causal
     """
     dims = mesh if isinstance(mesh, MeshDims) else mesh_dims(mesh)
     seg_BS, pos_BS = _check_inputs(segment_ids, positions, dims)
-    counts_BS, _, _ = _rows(seg_BS, pos_BS, is_causal, normalize_window(local_window_size))
+    window = normalize_window(local_window_size)
+    counts_BS, _, _ = _rows(seg_BS, pos_BS, is_causal, window)
     N = 2 * dims.c
     owner = _dual_owner(N, dims.c) if balanced else np.arange(N) // 2
     chunks_BN = np.broadcast_to(np.argsort(owner, kind="stable"), (seg_BS.shape[0], N))
-    return _dispatch(chunks_BN, counts_BS, pos_BS, dims)
+    return _dispatch(chunks_BN, counts_BS, pos_BS, dims, seg_BS, is_causal, window)
 
 
 # ---- inputs ---------------------------------------------------------------------------------------
@@ -416,8 +447,10 @@ def _improve(owner_RN, areas_RN, load_C, first_RN, last_RN, c: int, k: int) -> n
 # ---- applying the order -----------------------------------------------------------------------------
 
 
-def _dispatch(chunks_BN: np.ndarray, counts_BS: np.ndarray, pos_BS, dims: MeshDims) -> Dispatch:
-    """The Dispatch of a chunk order: token permutation, its inverse, positions and pairs per rank."""
+def _dispatch(chunks_BN: np.ndarray, counts_BS: np.ndarray, pos_BS, dims: MeshDims, seg_BS, is_causal: bool,
+              window: Window) -> Dispatch:
+    """The Dispatch of a chunk order: token permutation, its inverse, positions, pairs per rank and the
+    dispatched blocks' summaries."""
     (B, N), S = chunks_BN.shape, counts_BS.shape[1]
     L = S // N
     perm = (chunks_BN[:, :, None] * L + np.arange(L)).reshape(B, S).astype(np.int32)
@@ -425,10 +458,15 @@ def _dispatch(chunks_BN: np.ndarray, counts_BS: np.ndarray, pos_BS, dims: MeshDi
     np.put_along_axis(inverse, perm, np.broadcast_to(np.arange(S, dtype=np.int32), (B, S)), axis=1)
     positions = perm if pos_BS is None else np.take_along_axis(pos_BS, perm, axis=1).astype(np.int32)
     pairs = np.take_along_axis(counts_BS, perm, axis=1).reshape(B, dims.c, -1).sum(axis=2)
-    arrays = [perm, inverse, positions, chunks_BN.astype(np.int32), pairs.astype(np.float64)]
+    # One block length per batch shape (the finest chunks a plan may cut), so it never splits the
+    # exchange values of one run: a block never straddles two chunks of any plan of this shape.
+    U = _attended.block_length(S // dims.c, S // (dims.c * CHUNKS_PER_RANK * 2 ** _REFINEMENTS))
+    summary = _attended.block_summary(np, positions, np.take_along_axis(seg_BS, perm, axis=1), U)
+    blocks = np.stack([np.asarray(a, np.int32) for a in summary], axis=-2)
+    arrays = [perm, inverse, positions, chunks_BN.astype(np.int32), pairs.astype(np.float64), blocks]
     for a in arrays:
         a.setflags(write=False)
-    return Dispatch(*arrays, dims=dims)
+    return Dispatch(*arrays, dims=dims, is_causal=is_causal, window=window)
 
 
 def _all_numpy(tree, perm) -> bool:

@@ -9,6 +9,9 @@ value          collective (file)                   when
                (``all_to_all.py``)
 ``Ring``       ``ppermute`` around the ring        O(S/c) memory; splash or blockwise per step
                (``ring.py``)
+``Attended``   ``ppermute`` of the key blocks      packed rows on a dispatch plan's order
+               each rank's queries may see         (``load_balance.plan(...).kv_exchange``);
+               (``attended.py``)                   not a public string: its sizes are the batch's
 =============  ==================================  ===============================================
 
 Each value holds its collective (with its ``jax.custom_vjp`` backward), the
@@ -21,10 +24,11 @@ the import line below.
 from jax_cp.exchanges import all_gather, all_to_all, ring  # noqa: F401  (each registers its exchange)
 from jax_cp.exchanges._base import REGISTRY, KVExchange, Meta
 from jax_cp.exchanges.all_gather import AllGather
+from jax_cp.exchanges.attended import Attended
 from jax_cp.exchanges.all_to_all import AllToAll
 from jax_cp.exchanges.ring import Ring
 
-__all__ = ["AllGather", "AllToAll", "DEFAULT", "EXCHANGES", "KVExchange", "Meta", "NAMES", "Ring", "resolve"]
+__all__ = ["AllGather", "AllToAll", "Attended", "DEFAULT", "EXCHANGES", "KVExchange", "Meta", "NAMES", "Ring", "resolve"]
 
 EXCHANGES: tuple[KVExchange, ...] = tuple(REGISTRY)
 NAMES: tuple[str, ...] = tuple(x.name for x in EXCHANGES)
