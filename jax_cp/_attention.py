@@ -77,64 +77,95 @@ def dot_product_attention(
     positions=None, segment_ids=None, local_window_size=None,
     kernel="auto", kv_exchange=AUTO, block_q=None, block_kv=None, logits_soft_cap=None, sinks=None,
     return_max_logits=False, implementation=None, return_residual=False, query_seq_lengths=None,
-    key_value_seq_lengths=None, kv_positions=None, kv_segment_ids=None,
+    key_value_seq_lengths=None, kv_positions=None, kv_segment_ids=None, span_ids=None, kv_span_ids=None,
 ):
     """Context-parallel counterpart of ``jax.nn.dot_product_attention``.
 
     Global arrays in, a global array out (batch on ``dp``, sequence on ``(cp_colossal, cp_ulysses)``,
-    heads on ``tp``). Ulysses when ``cp_colossal=1``, Colossal when ``cp_ulysses=1``, else hybrid.
-    ``layout`` is ``"BSHD"`` or ``"BNSD"`` (rank 3: one unbatched sequence, as in ``jax.nn``);
-    jax.nn's ``implementation=None/"xla"/"cudnn"`` is ``kernel="auto"/"xla"/"cudnn"``; ``bias``/``mask``
-    are refused (quadratic under CP). ``positions`` and ``segment_ids`` (``[S]`` or ``[B, S]`` ints)
-    give each token's global position and document in the order given. ``kv_exchange`` moves K/V over
-    ``cp_colossal``: a ``jax_cp.exchanges`` value, its name or ``"auto"`` (the measured rule).
-    ``block_q``/``block_kv`` size the blockwise kernel's tiles on each device (``None``: from the
-    local batch, heads and platform, ``jax_cp.kernels.auto_blocks``). ``logits_soft_cap=c`` caps
-    the scaled logits to ``c * tanh(logits / c)`` before the mask (Gemma 2), on every kernel but cuDNN
-    (``"auto"`` then runs blockwise on GPU). ``sinks [H]`` (float) give each query head a learned
-    logit joining its softmax denominator once, with no value (GPT-OSS); gradients flow to it.
-    ``return_max_logits=True`` returns ``(out, max_logits)``: per query head (``[H]``) the largest
-    logit that entered the softmax, over the whole mesh (``-inf`` if none; no gradient), for QK-clip;
-    blockwise and ``"xla"`` kernels only. ``return_residual=True`` (jax.nn's) also returns each row's
-    log-sum-exp (``[B, T, H]``, ``[B, H, T]`` for BNSD; the inputs' dtype; sinks included; ``-inf``
-    for a query that sees no key), differentiable: ``(out, [max_logits,] residual)``. float64 inputs
-    are computed in float64 (blockwise: another named kernel is a ``ValueError``).
-    jax.nn's ``query_seq_lengths``/``key_value_seq_lengths`` (``[B]``): tokens at positions from
-    the length on are padding as queries (zero output) / as keys (never seen).
-    Cross attention: ``key``/``value`` of their own length ``S``, at ``kv_positions`` (``arange(S)``)
-    with ``kv_segment_ids`` (``[S]``/``[B, S]``; segment ids on both sides or neither; README).
+    heads on ``tp``): Ulysses when ``cp_colossal=1``, Colossal when ``cp_ulysses=1``, else hybrid.
+    Masks come from data (positions, segment ids, windows, spans), never from array indices.
+
+    Args:
+        query, key, value: ``[B, T, H, d]`` / ``[B, S, K, d]`` (``layout="BSHD"``; ``"BNSD"``
+            swaps the middle axes; rank 3: one unbatched sequence, as in ``jax.nn``); equal dtypes.
+            ``key``/``value`` may be other tokens of their own length ``S`` (cross attention) and
+            the value head dim may differ (MLA).
+        bias, mask: jax.nn's dense arguments, refused (quadratic under CP; a ``ValueError`` names
+            the data-driven arguments to use).
+        mesh: the ``("dp", "cp_colossal", "cp_ulysses", "tp")`` mesh (:func:`jax_cp.make_mesh`).
+        is_causal: a causal mask (on the positions, not the array order).
+        scale: the logits' scale (default ``d ** -0.5``).
+        layout: ``"BSHD"`` or ``"BNSD"``.
+        positions, segment_ids: ``[S]`` or ``[B, S]`` ints: each token's global position and its
+            document in the order given (negative segment ids: padding).
+        local_window_size: ``w`` or ``(left, right)``, as jax.nn's.
+        kernel: ``"auto"`` or a ``jax_cp.kernels`` value or name (``jax_cp.describe_kernel``).
+        kv_exchange: how K/V cross ``cp_colossal``: a ``jax_cp.exchanges`` value, its name or
+            ``"auto"`` (the measured rule).
+        block_q, block_kv: the blockwise kernel's tiles (``None``: ``jax_cp.kernels.auto_blocks``).
+        logits_soft_cap: ``c`` caps the scaled logits to ``c * tanh(logits / c)`` before the mask
+            (every kernel but cuDNN).
+        sinks: ``[H]`` learned logits, one per query head, joining the softmax denominator once with
+            no value (GPT-OSS); differentiable.
+        return_max_logits: also return the per-head (``[H]``) largest logit that entered the
+            softmax, over the whole mesh (``-inf`` if none; no gradient); blockwise and ``"xla"``.
+        implementation: jax.nn's ``None``/``"xla"``/``"cudnn"`` (``kernel="auto"/"xla"/"cudnn"``).
+        return_residual: also return each row's log-sum-exp (``[B, T, H]``; ``[B, H, T]`` for BNSD;
+            the inputs' dtype; sinks included; ``-inf`` for a query that sees no key), differentiable.
+        query_seq_lengths, key_value_seq_lengths: jax.nn's ``[B]`` lengths: tokens at positions from
+            the length on are padding as queries (zero output) / as keys (never seen).
+        kv_positions, kv_segment_ids: the keys' own (cross attention; ``arange(S)`` positions by
+            default; segment ids on both sides or neither).
+        span_ids, kv_span_ids: ``[B, S]`` bidirectional span ids (0: none; the keys' for cross
+            attention): a causal mask also lets a token see the later tokens of its own span.
+
+    Returns:
+        ``out`` like ``query``; with ``return_max_logits``/``return_residual``:
+        ``(out, [max_logits,] [residual])``. float64 inputs are computed in float64.
+
+    Raises:
+        ValueError: a shape, dtype, mask argument or kernel/exchange choice that cannot serve the
+            call, naming the parameter and the fix.
     """
-    kernel = _check_jax_nn_arguments(bias, mask, implementation, kernel)
+    return _call(query, key, value, bias, mask, mesh, layout, dict(
+        is_causal=is_causal, scale=scale, local_window_size=local_window_size, kernel=kernel, kv_exchange=kv_exchange,
+        block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap, record_max_logits=bool(return_max_logits),
+        return_residual=bool(return_residual)), sinks, implementation,
+        (positions, segment_ids, kv_positions, kv_segment_ids), (query_seq_lengths, key_value_seq_lengths),
+        (span_ids, kv_span_ids))
+
+
+def _call(query, key, value, bias, mask, mesh, layout, options: dict, sinks, implementation, given: tuple,
+          lengths: tuple, spans: tuple):
+    """``dot_product_attention``'s work: checks, the resolved spec, the placed metadata, the shard."""
+    kernel = _check_jax_nn_arguments(bias, mask, implementation, options.pop("kernel"))
     dims, unbatched = mesh_dims(mesh), getattr(query, "ndim", None) == 3
     query, key, value = _check_qkv(query, key, value, layout)
     kernel = kernel_for_dtype(kernel, query.dtype, "kernel" if implementation is None else "implementation")
     (B, T, H, d), (S, K) = query.shape, key.shape[1:3]
-    spec = _resolved_spec(mesh, query, K, S, (segment_ids, query_seq_lengths, key_value_seq_lengths),
-                          is_causal=is_causal, scale=scale, local_window_size=local_window_size, kernel=kernel,
-                          kv_exchange=kv_exchange, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap,
-                          use_sinks=sinks is not None, record_max_logits=bool(return_max_logits),
-                          return_residual=bool(return_residual), v_head_dim=value.shape[-1])
+    spec = _resolved_spec(mesh, query, K, S, (given[1], *lengths), spans[0], kernel=kernel,
+                          use_sinks=sinks is not None, v_head_dim=value.shape[-1], **options)
     rep = spec.layout(dims).kv_expanded // K  # minimal repetition so t*u devices each hold whole kv heads
-    meta, meta_specs = _placed_meta(mesh, dims, B, T, S, (positions, segment_ids, kv_positions, kv_segment_ids),
-                                    (query_seq_lengths, key_value_seq_lengths))
-    if rep > 1:
-        key, value = (jnp.repeat(a, rep, axis=2) for a in (key, value))
+    meta, meta_specs = _placed_meta(mesh, dims, B, T, S, given, lengths, spans)
+    key, value = (jnp.repeat(a, rep, axis=2) for a in (key, value)) if rep > 1 else (key, value)
     sinks = None if sinks is None else place(check_sinks(sinks, H), mesh, P(TP))
     out = _shard_attention(spec, mesh, [query, key, value, sinks, meta], meta_specs)
-    return _as_given(out, layout, unbatched, query.dtype if return_residual else None)
+    return _as_given(out, layout, unbatched, query.dtype if spec.return_residual else None)
 
 
-def _placed_meta(mesh, dims, batch: int, q_len: int, kv_len: int, given: tuple, lengths: tuple):
+def _placed_meta(mesh, dims, batch: int, q_len: int, kv_len: int, given: tuple, lengths: tuple, spans: tuple):
     """Both lengths checked against the mesh; the placed metadata of queries and keys
-    (``placed_metadata``'s three values) from the given positions/segment ids and jax.nn's lengths."""
+    (``placed_metadata``'s two values) from the given positions/segment ids, jax.nn's lengths and
+    the span ids."""
     check_seq_batch(batch, q_len, dims)
     check_seq_batch(batch, kv_len, dims, name="the key/value sequence length")
     sides = metadata_sides(*given, batch, q_len, kv_len)
     pos, seg, kv_seg, kv_pos = _length_padding(*sides, *lengths, batch, q_len)
-    return placed_metadata(pos, seg, batch, q_len, mesh, kv_seg, kv_pos)
+    return placed_metadata(pos, seg, batch, q_len, mesh, kv_seg, kv_pos, spans)
 
 
-def _resolved_spec(mesh, query, num_kv_heads: int, kv_len: int, segments: tuple, **options) -> AttentionSpec:
+def _resolved_spec(mesh, query, num_kv_heads: int, kv_len: int, segments: tuple, span_ids,
+                   **options) -> AttentionSpec:
     """The call's ``AttentionSpec`` (one head chunk, no fused exchange), ``"auto"`` resolved for ``mesh``
     (the memory rule sizes the K/V of ``kv_len`` tokens; the kernel is chosen for the query's dtype, and
     for segment ids if any of ``segments`` (segment ids, jax.nn's lengths) is given)."""
@@ -142,7 +173,7 @@ def _resolved_spec(mesh, query, num_kv_heads: int, kv_len: int, segments: tuple,
     spec = AttentionSpec(num_heads=H, num_kv_heads=num_kv_heads, head_dim=d, overlap_chunks=1, fused_qkv_chunks=0,
                          **options)
     return spec.resolve(mesh, batch=B, seq_len=kv_len, itemsize=query.dtype.itemsize, dtype=query.dtype,
-                        has_segments=any(a is not None for a in segments))[0]
+                        has_segments=any(a is not None for a in segments), has_spans=span_ids is not None)[0]
 
 
 def _length_padding(pos, seg, kv_seg, kv_pos, q_lengths, kv_lengths, batch: int, q_len: int):

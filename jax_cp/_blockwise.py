@@ -42,6 +42,7 @@ class Meta(NamedTuple):
     pos: jax.Array  # [B, L] int32
     seg: jax.Array | None  # [B, L] int32
     valid: jax.Array | None = None  # [B, L] bool; None means all valid
+    span: jax.Array | None = None  # [B, L] int32 bidirectional span ids (0: none), or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +71,18 @@ class Spec:
 
 
 def check_block(name: str, value) -> int | None:
-    """A block size: a positive int, or ``None`` (``auto_blocks`` picks it from the shapes)."""
+    """A block size: a positive int, or ``None`` (``auto_blocks`` picks it from the shapes).
+
+    Args:
+        name: the argument's name, for the message.
+        value: the block size given.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        ValueError: ``value`` is neither a positive int nor ``None``.
+    """
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"{name}={value!r} must be a positive int (e.g. 512) or None (chosen from the shapes "
                          "and the platform).")
@@ -78,7 +90,17 @@ def check_block(name: str, value) -> int | None:
 
 
 def check_soft_cap(value) -> float | None:
-    """``logits_soft_cap``: a positive finite number, or ``None`` (no capping)."""
+    """``logits_soft_cap``: a positive finite number, or ``None`` (no capping).
+
+    Args:
+        value: the ``logits_soft_cap`` given.
+
+    Returns:
+        ``value`` as a float, or ``None``.
+
+    Raises:
+        ValueError: ``value`` is not a positive finite number or ``None``.
+    """
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
@@ -109,11 +131,23 @@ OTHER_BLOCKS = (512, 512)
 
 def auto_blocks(batch: int, heads: int, platform: str | None = None, *, q_len: int | None = None,
                 masked: bool = False) -> tuple[int, int]:
-    """``(block_q, block_kv)`` for ``batch x heads`` local score tiles on ``platform`` (default: the
-    platform being compiled for). On CPU, a ``masked`` (causal or windowed) call's query blocks are
-    at most half its ``q_len`` queries: a load-balanced chunk is two runs of positions, which one
-    block spanning both would never let a key block skip (ring, 8 heads, 8K causal load-balanced,
-    fwd+bwd: 4.6 s at 1024-row blocks, 3.0 s at 512; without load balancing 4.4 and 3.0 s)."""
+    """``(block_q, block_kv)`` for ``batch x heads`` local score tiles on ``platform``.
+
+    On CPU, a ``masked`` (causal or windowed) call's query blocks are at most half its ``q_len``
+    queries: a load-balanced chunk is two runs of positions, which one block spanning both would
+    never let a key block skip (ring, 8 heads, 8K causal load-balanced, fwd+bwd: 4.6 s at 1024-row
+    blocks, 3.0 s at 512; without load balancing 4.4 and 3.0 s).
+
+    Args:
+        batch: the local batch.
+        heads: the local heads.
+        platform: the platform (default: the platform being compiled for).
+        q_len: the local queries.
+        masked: the call is causal or windowed.
+
+    Returns:
+        ``(block_q, block_kv)``.
+    """
     if platform is None:
         platform = target_platform()
     if platform != "cpu":
@@ -154,7 +188,7 @@ def _pad_meta(m: Meta, length: int) -> Meta:
     valid = jnp.ones(m.pos.shape, bool) if m.valid is None else m.valid
     if m.seg is not None:
         valid &= m.seg >= 0
-    return Meta(_pad(m.pos, length), _pad(m.seg, length), _pad(valid, length, False))
+    return Meta(_pad(m.pos, length), _pad(m.seg, length), _pad(valid, length, False), _pad(m.span, length))
 
 
 def _ranges(x_BL, valid_BL, block: int):
@@ -169,7 +203,12 @@ def block_visible(qm: Meta, km: Meta, spec: Spec, bq: int, bk: int):
     qlo, qhi = (a[:, :, None] for a in _ranges(qm.pos, qm.valid, bq))
     klo, khi = (a[:, None, :] for a in _ranges(km.pos, km.valid, bk))
     vis = (qlo <= qhi) & (klo <= khi)  # both blocks hold a valid token
-    if spec.is_causal:
+    if spec.is_causal and qm.span is not None:  # a span can make a block above the diagonal visible
+        in_q, in_k = qm.valid & (qm.span != 0), km.valid & (km.span != 0)
+        alo, ahi = (a[:, :, None] for a in _ranges(qm.span, in_q, bq))
+        blo, bhi = (a[:, None, :] for a in _ranges(km.span, in_k, bk))
+        vis &= (klo <= qhi) | ((alo <= bhi) & (blo <= ahi))
+    elif spec.is_causal:
         vis &= klo <= qhi
     if spec.window is not None:
         left, right = spec.window
@@ -186,11 +225,14 @@ def _schedule(vis_NM):
     return jnp.argsort(~vis_NM, axis=1, stable=True).astype(jnp.int32), vis_NM.sum(1).astype(jnp.int32)
 
 
-def _block_mask(qpos, qseg, qval, kpos, kseg, kval, spec: Spec, has_seg: bool):
-    """``[B, 1, 1, Q, C]`` visibility of one block pair, padding included (``qseg``/``kseg`` are
-    placeholders, ignored, without segment ids)."""
+def _block_mask(qb: tuple, kb: tuple, spec: Spec, has_seg: bool):
+    """``[B, 1, 1, Q, C]`` visibility of one block pair, padding included, from each side's
+    ``_meta_blocks`` (``(pos, seg, valid[, span])``; ``seg`` is a placeholder, ignored, without
+    segment ids)."""
+    (qpos, qseg, qval, *qspan), (kpos, kseg, kval, *kspan) = qb, kb
     qseg, kseg = (qseg, kseg) if has_seg else (None, None)
-    m = visible(qpos, kpos, qseg, kseg, is_causal=spec.is_causal, window=spec.window)
+    m = visible(qpos, kpos, qseg, kseg, is_causal=spec.is_causal, window=spec.window,
+                q_span_BT=qspan[0] if qspan else None, kv_span_BS=kspan[0] if kspan else None)
     return (m & qval[:, :, None] & kval[:, None, :])[:, None, None]
 
 
@@ -278,9 +320,11 @@ def sinks_grad(sinks_H, lse, delta, head_axis: int = -1):
     return jnp.moveaxis(g, head_axis, -1).reshape(-1, sinks_H.shape[0]).sum(0).astype(sinks_H.dtype)
 
 
-def _meta_blocks(m: Meta, block: int):
+def _meta_blocks(m: Meta, block: int) -> tuple:
+    """``(pos, seg, valid[, span])`` cut into ``[L/block, B, block]`` blocks (span only when given)."""
     seg = m.pos if m.seg is None else m.seg  # placeholder when absent (ignored by the mask)
-    return _split(m.pos, block), _split(seg, block), _split(m.valid, block)
+    span = () if m.span is None else (_split(m.span, block),)
+    return _split(m.pos, block), _split(seg, block), _split(m.valid, block), *span
 
 
 def _blocks_major(x, block: int, axes):
@@ -318,17 +362,17 @@ def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int,
     q_NBKGQd = _blocks_major(q_BTHd.reshape(B, T, K, G, d), bq, (0, 2, 3, 1, 4))
     kT_MBKdC = _blocks_major(k_BSKd, bk, (0, 2, 3, 1))
     v_MBKCd = _blocks_major(v_BSKd, bk, (0, 2, 1, 3))
-    kpos, kseg, kval = _meta_blocks(km, bk)
+    kb = _meta_blocks(km, bk)
     refs = (q_BTHd, k_BSKd, v_BSKd, qm, km, state)
 
     def q_block(xs):
-        q, qpos, qseg, qval, order, count, o0, lse0 = xs
+        q, qb, order, count, o0, lse0 = xs
 
         def body(n, carry):
             m, l, acc = carry[:3]
             j = order[n]
             s = jnp.einsum("bkgqd,bkdc->bkgqc", q, kT_MBKdC[j], preferred_element_type=acc_t)
-            mask = _block_mask(qpos, qseg, qval, kpos[j], kseg[j], kval[j], spec, has_seg)
+            mask = _block_mask(qb, tuple(a[j] for a in kb), spec, has_seg)
             s = jnp.where(mask, spec.logits_and_slope(s)[0], NEG)  # the one select on the tile
             row = s.max(-1)
             m_new = jnp.maximum(m, row)
@@ -345,12 +389,12 @@ def _fwd_padded(q_BTHd, k_BSKd, v_BSKd, qm: Meta, km: Meta, spec: Spec, bq: int,
         o = acc / jnp.where(seen, l, 1.0)[..., None]
         return o, jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG), *stat  # [B, K, G, Q, (d)]
 
-    qpos, qseg, qval = _meta_blocks(qm, bq)
+    qb = _meta_blocks(qm, bq)
     o0 = lse0 = None
     if state is not None:
         o0 = _blocks_major(state[0].reshape(B, T, K, G, dv), bq, (0, 2, 3, 1, 4))
         lse0 = _blocks_major(state[1].reshape(B, T, K, G), bq, (0, 2, 3, 1))
-    o, *rows = lax.map(q_block, (q_NBKGQd, qpos, qseg, qval, order_NM, count_N, o0, lse0))
+    o, *rows = lax.map(q_block, (q_NBKGQd, qb, order_NM, count_N, o0, lse0))
     o = jnp.transpose(o, (1, 0, 4, 2, 3, 5)).reshape(B, T, H, dv)  # [N, B, K, G, Q, dv] -> [B, T, H, dv]
     return o, *(jnp.transpose(r, (1, 0, 4, 2, 3)).reshape(B, T, H) for r in rows)  # lse (and max): [B, T, H]
 
@@ -369,16 +413,16 @@ def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spe
     cols = lambda a: _blocks_major(a.reshape(B, T, K, G, a.shape[-1]), bq, (0, 2, 4, 3, 1))
     q_N, qT_N, do_N, doT_N = rows(q_BTHd), cols(q_BTHd), rows(do_BTHd), cols(do_BTHd)
     lse_N, delta_N = (_blocks_major(a.reshape(B, T, K, G), bq, (0, 2, 3, 1)) for a in (lse_BTH, delta_BTH))
-    qpos, qseg, qval = _meta_blocks(qm, bq)
+    qb = _meta_blocks(qm, bq)
 
     def kv_block(dq_N, xs):
-        k, kT, vT, kpos, kseg, kval, order, count = xs
+        k, kT, vT, kb, order, count = xs
 
         def body(n, carry):
             dq_N, dkT, dvT = carry
             i = order[n]
             s = jnp.einsum("bkgqd,bkdc->bkgqc", q_N[i], kT, preferred_element_type=acc_t)
-            mask = _block_mask(qpos[i], qseg[i], qval[i], kpos, kseg, kval, spec, has_seg)
+            mask = _block_mask(tuple(a[i] for a in qb), kb, spec, has_seg)
             logits, slope = spec.logits_and_slope(s)
             p = jnp.exp(jnp.where(mask, logits, NEG) - _safe(lse_N[i])[..., None])
             do = do_N[i]
@@ -395,7 +439,7 @@ def _bwd_padded(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm, km, spe
         return dq_N, (dkT, dvT)
 
     xs = (_blocks_major(k_BSKd, bk, (0, 2, 1, 3)), _blocks_major(k_BSKd, bk, (0, 2, 3, 1)),
-          _blocks_major(v_BSKd, bk, (0, 2, 3, 1)), *_meta_blocks(km, bk), order_MN, count_M)
+          _blocks_major(v_BSKd, bk, (0, 2, 3, 1)), _meta_blocks(km, bk), order_MN, count_M)
     if dq_BTHd is None:
         dq0, = varying(refs, jnp.zeros((T // bq, B, K, G, bq, d), acc_t))
     else:
@@ -497,23 +541,37 @@ def blockwise_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     is_causal=False, local_window_size=None, scale=None, block_q: int | None = None, block_kv: int | None = None,
     logits_soft_cap: float | None = None, sinks=None, return_max_logits: bool = False, return_residual: bool = False,
-    fused: tuple | None = None,
+    fused: tuple | None = None, q_span_ids=None, kv_span_ids=None,
 ):
     """Masked attention with memory linear in ``S``; same contract as ``dense_attention``.
 
-    ``return_max_logits=True`` returns ``(o, max_logits [H])``: per query head, the largest logit
-    that entered the softmax (scaled, soft-capped if set; visible pairs only; ``-inf`` if none), no
-    gradient. ``return_residual=True`` appends the log-sum-exp of each row's logits (``[B, T, H]``
-    float32, float64 for float64 inputs: ``acc_dtype``; sinks included; ``-inf`` for rows that see no
-    key), differentiable.
-    ``sinks [H]``: one learned logit per query head that joins every row's softmax denominator
-    and contributes no value (GPT-OSS), with its gradient.
-    ``logits_soft_cap=c`` caps the scaled logits to ``c * tanh(logits / c)`` before the mask (Gemma
-    2), with its exact gradient. ``block_q``/``block_kv`` default to ``auto_blocks`` (from the
-    batch, the heads and the platform). Block sizes are clamped to the sequence; lengths they do
-    not divide are padded with masked tokens. Fully masked blocks are skipped (causal costs
-    about half); rows that see no key return zeros with zero gradients. ``fused=(forward, backward)``
-    runs the same algorithm as fused code of another kernel's (the Pallas GPU kernel's).
+    Block sizes are clamped to the sequence; lengths they do not divide are padded with masked
+    tokens. Fully masked blocks are skipped (causal costs about half); rows that see no key return
+    zeros with zero gradients. The soft cap and the sinks get their exact gradients.
+
+    Args:
+        q_BTHd, k_BSKd, v_BSKd: the local queries, keys and values.
+        q_positions, kv_positions, q_segment_ids, kv_segment_ids: positions and document ids
+            (segment ids on both sides or neither).
+        is_causal, local_window_size, scale: the mask and the logit scale.
+        block_q, block_kv: tile sizes; default ``auto_blocks`` (batch, heads, platform).
+        logits_soft_cap: ``c`` caps the scaled logits to ``c * tanh(logits / c)`` before the mask (Gemma 2).
+        sinks: ``[H]``, a learned logit per query head in every row's softmax denominator, no value (GPT-OSS).
+        return_max_logits: also return ``max_logits [H]``: per query head, the largest logit
+            that entered the softmax (scaled, soft-capped if set; visible pairs only; ``-inf``
+            if none), no gradient.
+        return_residual: append the log-sum-exp of each row's logits (``[B, T, H]`` float32,
+            float64 for float64 inputs: ``acc_dtype``; sinks included; ``-inf`` for rows that
+            see no key), differentiable.
+        fused: ``(forward, backward)`` runs the same algorithm as fused code of another
+            kernel's (the Pallas GPU kernel's).
+        q_span_ids, kv_span_ids: bidirectional span ids (both sides or neither; not with ``fused``).
+
+    Returns:
+        ``o``, or ``(o, max_logits)`` and/or the residual appended.
+
+    Raises:
+        ValueError: one side only has segment or span ids, or an argument is invalid.
     """
     spec = make_spec(q_BTHd.shape[-1], is_causal=is_causal, local_window_size=local_window_size,
                      scale=scale, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap,
@@ -521,14 +579,29 @@ def blockwise_attention(
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must both be given or both be None.")
     i32 = lambda a: None if a is None else jnp.asarray(a, jnp.int32)
-    qm = Meta(i32(q_positions), i32(q_segment_ids))
-    km = Meta(i32(kv_positions), i32(kv_segment_ids))
+    if (q_span_ids is None) != (kv_span_ids is None):
+        raise ValueError("q_span_ids and kv_span_ids must both be given or both be None.")
+    if fused is not None and q_span_ids is not None:
+        raise ValueError("span ids are not among the fused kernel's inputs; use the blockwise kernel.")
+    qm = Meta(i32(q_positions), i32(q_segment_ids), span=i32(q_span_ids))
+    km = Meta(i32(kv_positions), i32(kv_segment_ids), span=i32(kv_span_ids))
     sinks = varying_sinks(sinks, q_BTHd, k_BSKd, v_BSKd, qm, km)
     return _attention(q_BTHd, k_BSKd, v_BSKd, qm, km, sinks, spec)
 
 
 def check_sinks(sinks, num_heads: int):
-    """``sinks``: a floating ``[num_heads]`` array (one logit per query head)."""
+    """``sinks``: a floating ``[num_heads]`` array (one logit per query head).
+
+    Args:
+        sinks: the sink logits given.
+        num_heads: the number of query heads.
+
+    Returns:
+        ``sinks``.
+
+    Raises:
+        ValueError: ``sinks`` is not a floating array of shape ``(num_heads,)``.
+    """
     shape, dtype = getattr(sinks, "shape", None), getattr(sinks, "dtype", None)
     if shape != (num_heads,) or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"sinks (shape={shape}, dtype={dtype}) must be a floating array of shape "

@@ -34,7 +34,7 @@ from jax_cp._mesh import COLOSSAL, DP, ULYSSES, place
 from jax_cp._ulysses import heads_to_seq, seq_to_heads
 from jax_cp._meta import Meta
 
-__all__ = ["attention_shard", "GivenQKV", "placed_metadata", "check_dtype", "check_metadata", "kernel_for_dtype",
+__all__ = ["attention_shard", "GivenQKV", "placed_metadata", "span_sides", "check_dtype", "check_metadata", "kernel_for_dtype",
            "META_SPEC", "metadata_sides", "shard_call"]
 
 # [B, S] positions / segment ids: replicated over the sequence axes. Each device slices
@@ -172,21 +172,40 @@ def metadata_sides(positions, segment_ids, kv_positions, kv_segment_ids, batch: 
     return pos, seg, kv_seg, kv_pos
 
 
+def span_sides(span_ids, kv_span_ids, batch: int, q_len: int, kv_len: int):
+    """Checked ``[B, T]`` / ``[B, S]`` span ids of the queries and the keys (``None`` for the keys:
+    the queries' own). Cross attention states the keys' span ids when it gives the queries'."""
+    span = check_metadata("span_ids", span_ids, batch, q_len)
+    kv_span = check_metadata("kv_span_ids", kv_span_ids, batch, kv_len)
+    if kv_span is not None and span is None:
+        raise ValueError("kv_span_ids is given but span_ids is not: pass the queries' span ids too "
+                         f"(span_ids=, shape (batch, {q_len})).")
+    if span is not None and kv_span is None and kv_len != q_len:
+        raise ValueError(f"span_ids gives the queries' spans, but the keys are other tokens (cross attention: kv "
+                         f"length {kv_len} != query length {q_len}); pass kv_span_ids= of shape (batch, {kv_len}) too.")
+    return span, kv_span
+
+
 def placed_metadata(positions, segment_ids, batch: int, seq_len: int, mesh, kv_segment_ids=None,
-                    kv_positions=None):
+                    kv_positions=None, spans: tuple = (None, None)):
     """Checked, placed ``[B, S]`` positions (``arange`` when None) and segment ids (if given), and
     the keys' own (``kv_segment_ids``, ``kv_positions``: ``metadata_sides``'), if given.
+
+    ``spans``: the queries' and the keys' span ids (``span_ids``, ``kv_span_ids``; ``span_sides``).
 
     Returns ``(meta, specs)``: the placed ``Meta`` (``natural`` when nothing was given, so the splash
     kernel builds its masks when traced) and its shard_map in_specs.
     """
     positions = check_metadata("positions", positions, batch, seq_len)
     segment_ids = check_metadata("segment_ids", segment_ids, batch, seq_len)
-    natural = positions is None and segment_ids is None and kv_segment_ids is None and kv_positions is None
+    kv_len = seq_len if kv_positions is None else kv_positions.shape[1]
+    span, kv_span = span_sides(*spans, batch, seq_len, kv_len)
+    natural = positions is None and segment_ids is None and kv_segment_ids is None and kv_positions is None \
+        and span is None
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
     meta = jax.tree.map(lambda a: place(a, mesh, META_SPEC),
-                        Meta(positions, segment_ids, kv_segment_ids, kv_positions, natural=natural))
+                        Meta(positions, segment_ids, kv_segment_ids, kv_positions, span, kv_span, natural=natural))
     # Opaque to constant folding: folded into the kernel's per-block bounds, the default arange
     # becomes a reduce over an iota that libtpu 0.0.52 aborts on while splitting it over a v5p
     # chip's two TensorCores (MegacoreTransformWindow check failure).

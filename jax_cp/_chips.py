@@ -17,7 +17,17 @@ GiB = 2**30
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Chip:
-    """Peaks of one chip; ``devices_per_chip`` > 1 where JAX shows each core as a device."""
+    """Peaks of one chip; ``devices_per_chip`` > 1 where JAX shows each core as a device.
+
+    Attributes:
+        name: the chip's name.
+        device_kind: what ``jax.Device.device_kind`` says.
+        bf16_flops: peak bf16 FLOP/s.
+        hbm_bytes: HBM capacity in bytes.
+        hbm_bandwidth: HBM bytes/s.
+        ici_bandwidth: interconnect bytes/s, per chip.
+        devices_per_chip: JAX devices per chip.
+    """
 
     name: str
     device_kind: str
@@ -70,7 +80,17 @@ CHIPS = {
 
 
 def chip_for(topology: str) -> Chip:
-    """The chip of a topology name such as ``"v5e:4x4"`` (the part before ``:``)."""
+    """The chip of a topology name such as ``"v5e:4x4"`` (the part before ``:``).
+
+    Args:
+        topology: the topology name.
+
+    Returns:
+        The :class:`Chip`.
+
+    Raises:
+        ValueError: the chip is unknown.
+    """
     name = topology.split(":", 1)[0].lower()
     if name not in CHIPS:
         raise ValueError(

@@ -141,14 +141,16 @@ def decode_positions(pos_BS, segment_ids_BS=None, lengths_B=None):
 
 
 def prefill_prompt(params: dict, x_BSD, cache: dict, *, mesh, spec, dtype=None, positions=None, segment_ids=None,
-                   lengths=None, local_window_size=None):
+                   lengths=None, local_window_size=None, span_ids=None):
     """Runs the prompt ``x [B, S, D]`` through the layer (``_layer.layer_call``: any exchange, kernel,
     positions and segment ids) and writes what decode needs into ``cache`` (from slot 0: a prefill
     starts the cache afresh): the K/V and positions of each row's last document
-    (``decode_positions``), its next position, and the window. Returns ``(y, cache)``."""
+    (``decode_positions``), its next position, and the window. ``span_ids``: the prompt's
+    bidirectional spans (a prefix, an image); the tokens decode generates carry span 0, so decode
+    continues causally. Returns ``(y, cache)``."""
     L = check_cache(cache, spec, getattr(x_BSD, "shape", (None,))[0])  # before the layer's own checks
     call = layer_call(params, x_BSD, mesh=mesh, spec=spec, dtype=dtype, positions=positions,
-                      segment_ids=segment_ids, local_window_size=local_window_size)
+                      segment_ids=segment_ids, local_window_size=local_window_size, span_ids=span_ids)
     B, S = call.batch, call.seq_len
     if S > L:
         raise ValueError(f"the prompt's seq_len={S} is longer than the cache's max_length={L}; init_cache with "
@@ -353,26 +355,32 @@ def decode_step(params: dict, x_BTD, cache: dict, *, mesh, spec, dtype, local_wi
     return y, new
 
 
-def check_inference(spec, kv_x: tuple, prefill: bool, *, kv_positions=None, kv_segment_ids=None, segment_ids=None):
+def check_inference(spec, kv_x: tuple, prefill: bool, *, kv_positions=None, kv_segment_ids=None, segment_ids=None,
+                    span_ids=None, kv_span_ids=None):
     """What prefill and decode serve: self-attention (the cache holds the layer's own tokens); every
     argument they cannot honour is refused, never ignored."""
     mode = "prefill=True" if prefill else "decode=True"
-    if kv_x or kv_positions is not None or kv_segment_ids is not None:
+    if kv_x or kv_positions is not None or kv_segment_ids is not None or kv_span_ids is not None:
         raise ValueError(f"{mode} caches the layer's own keys (self-attention); cross attention (inputs_k/inputs_v/"
                          "inputs_kv, kv_positions, kv_segment_ids) has no decode path: run it without decode.")
     if not prefill and segment_ids is not None:
         raise ValueError("decode=True continues each row's last document of the prompt (the prefill's largest "
                          "segment id): pass segment_ids to the prefill call (prefill=True) only.")
+    if not prefill and span_ids is not None:
+        raise ValueError("decode=True generates tokens outside every span (span id 0: causal); pass span_ids to the "
+                         "prefill call (prefill=True) only.")
     if spec.record_max_logits:
         raise ValueError(f"{mode} does not record max logits (a training statistic); build the inference model "
                          "with record_max_logits=False.")
 
 
-def infer(params, x, cache, *, mesh, spec, dtype, prefill, positions, lengths, local_window_size, segment_ids=None):
+def infer(params, x, cache, *, mesh, spec, dtype, prefill, positions, lengths, local_window_size, segment_ids=None,
+          span_ids=None):
     """``prefill_prompt`` or one ``decode_step``: the inference call of the NNX and Linen modules."""
     if prefill:
         return prefill_prompt(params, x, cache, mesh=mesh, spec=spec, dtype=dtype, positions=positions,
-                              segment_ids=segment_ids, lengths=lengths, local_window_size=local_window_size)
+                              segment_ids=segment_ids, lengths=lengths, local_window_size=local_window_size,
+                              span_ids=span_ids)
     if positions is not None or lengths is not None:
         raise ValueError("decode steps take their positions from the cache (cache_index); pass positions/lengths "
                          "to the prefill call (prefill=True) only.")

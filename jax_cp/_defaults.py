@@ -161,14 +161,15 @@ def choose_kernel(kernel=_kernels.AUTO, *, platform: str, kv_exchange, is_causal
                   local_window_size: Window = None, has_segments: bool = False, dtype=jnp.bfloat16,
                   head_dim: int = 128, v_head_dim: int | None = None, logits_soft_cap=None, use_sinks: bool = False,
                   record_max_logits: bool = False, return_residual: bool = False,
-                  kv_len: int | None = None) -> tuple[_kernels.Kernel, str]:
+                  kv_len: int | None = None, spans: bool = False) -> tuple[_kernels.Kernel, str]:
     """``(kernel, why)``: the kernel a call's exchange steps run on ``platform``, and why.
 
     The one place ``"auto"`` becomes a kernel (``AttentionSpec.resolve`` calls it for the layers,
     ``dot_product_attention`` and the planner; :func:`describe_kernel` prints it). ``kv_exchange``:
     the resolved exchange value; ``kv_len``: the keys one kernel call sees (a ring step's chunk, or
-    every key after an all-gather; ``None``: not known, assumed to fit). An explicit kernel that
-    cannot serve the call raises its ``ValueError``.
+    every key after an all-gather; ``None``: not known, assumed to fit); ``spans``: span ids are
+    given (blockwise and ``"xla"`` take them). An explicit kernel that cannot serve the call raises
+    its ``ValueError``.
     """
     kernel = _kernels.resolve(kernel)
     kv_exchange.check_kernel(kernel)  # e.g. the ring refuses kernels without a log-sum-exp
@@ -176,16 +177,16 @@ def choose_kernel(kernel=_kernels.AUTO, *, platform: str, kv_exchange, is_causal
     needs = dict(is_causal=is_causal, window=window, has_segments=has_segments, dtype=dtype, head_dim=head_dim,
                  soft_cap=logits_soft_cap is not None, sinks=use_sinks, max_logits=record_max_logits)
     chosen = _kernels.select_kernel(kernel, platform=platform, **needs, residual=return_residual,
-                                    v_head_dim=v_head_dim, kv_len=kv_len)
+                                    v_head_dim=v_head_dim, kv_len=kv_len, spans=spans)
     if kernel != _kernels.AUTO:
         return chosen, "explicit"
     runs, why = kv_exchange.step_kernel(chosen)
     if why:
         return runs, f"auto on {platform} with kv_exchange={kv_exchange.name!r}: {why}"
     if chosen == _kernels.BLOCKWISE:
-        why = {"tpu": _kernels.SPLASH.unsupported_reason(window=window, kv_len=kv_len, max_logits=record_max_logits,
-                                                         residual=return_residual),
-               "gpu": _kernels.PALLAS_GPU.unsupported_reason(head_dim=head_dim)}.get(platform)
+        why = {"tpu": _kernels.SPLASH.why_not(window=window, kv_len=kv_len, max_logits=record_max_logits,
+                                              residual=return_residual, spans=spans),
+               "gpu": _kernels.PALLAS_GPU.why_not(head_dim=head_dim, spans=spans)}.get(platform)
         return chosen, f"auto on {platform}: " + (why or "the portable kernel")
     if chosen == _kernels.PALLAS_GPU:
         return chosen, f"auto on gpu: {_kernels.CUDNN.unsupported_reason(**needs)}"
@@ -195,19 +196,33 @@ def choose_kernel(kernel=_kernels.AUTO, *, platform: str, kv_exchange, is_causal
 def describe_kernel(*, kernel=_kernels.AUTO, platform: str | None = None, kv_exchange=None,
                     is_causal: bool = False, local_window_size: Window = None, has_segments: bool = False,
                     dtype=jnp.bfloat16, head_dim: int = 128, logits_soft_cap=None, use_sinks: bool = False,
-                    record_max_logits: bool = False, kv_len: int | None = None) -> str:
-    """One line: the kernel a call runs on ``platform`` (default: the default backend) and why.
+                    record_max_logits: bool = False, kv_len: int | None = None, spans: bool = False) -> str:
+    """One line: the kernel a call runs on ``platform`` and why.
 
-    ``kv_exchange``: a ``jax_cp.exchanges`` value or name (default: the default exchange).
-    ``kv_len``: the keys one kernel call sees (a ring step's chunk, or every key after an
-    all-gather; ``None``: not known). ``"auto"`` never chooses silently: e.g.
-    ``"splash (auto on tpu)"``, or ``"blockwise (auto on tpu: local_window_size=(128, 0) over
-    131072 keys in one kernel call ...)"``. An explicit kernel that cannot serve the call raises
-    its ``ValueError``. The decision is :func:`choose_kernel`'s, the one the layers make.
+    ``"auto"`` never chooses silently. The decision is :func:`choose_kernel`'s, the one the
+    layers make.
+
+    Args:
+        kernel: ``"auto"``, a kernel name or value.
+        platform: the platform (default: the default backend).
+        kv_exchange: a ``jax_cp.exchanges`` value or name (default: the default exchange).
+        is_causal, local_window_size, has_segments: the mask.
+        dtype, head_dim: the inputs' dtype and head size.
+        logits_soft_cap, use_sinks, record_max_logits: the call's soft cap, sinks, max logits.
+        kv_len: the keys one kernel call sees (a ring step's chunk, or every key after an
+            all-gather; ``None``: not known).
+        spans: the call has span ids (``span_ids``): only blockwise and ``"xla"`` take them.
+
+    Returns:
+        e.g. ``"splash (auto on tpu)"``, or ``"blockwise (auto on tpu:
+        local_window_size=(128, 0) over 131072 keys in one kernel call ...)"``.
+
+    Raises:
+        ValueError: an explicit kernel cannot serve the call.
     """
     exchange = exchanges.resolve(exchanges.DEFAULT if kv_exchange is None else kv_exchange)
     chosen, why = choose_kernel(kernel, platform=platform or _kernels.target_platform(), kv_exchange=exchange,
                                 is_causal=is_causal, local_window_size=local_window_size, has_segments=has_segments,
                                 dtype=dtype, head_dim=head_dim, logits_soft_cap=logits_soft_cap, use_sinks=use_sinks,
-                                record_max_logits=record_max_logits, kv_len=kv_len)
+                                record_max_logits=record_max_logits, kv_len=kv_len, spans=spans)
     return f"{chosen} ({why})"

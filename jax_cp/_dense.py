@@ -17,15 +17,27 @@ __all__ = ["attend"]
 def attend(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     is_causal=False, local_window_size=None, scale=None, logits_soft_cap=None, sinks=None,
-    return_max_logits=False, return_residual=False,
+    return_max_logits=False, return_residual=False, q_span_ids=None, kv_span_ids=None,
 ):
     """Dense masked attention in BSHD layout with explicit positions, float32 math (float64 for float64 inputs).
 
-    ``logits_soft_cap=c``: the scaled logits become ``c * tanh(logits / c)`` before the mask.
-    ``sinks [H]``: one more logit per query head in every row's softmax, whose value is zero.
-    Rows with no visible key return zeros (and get zero gradients). ``return_max_logits=True``:
-    ``(o, max_logits [H])``, the largest logit (after the cap) over visible pairs, ``-inf`` if none.
-    ``return_residual=True`` appends each row's ``logsumexp`` of its visible logits and sink ``[B, T, H]``.
+    Rows with no visible key return zeros (and get zero gradients).
+
+    Args:
+        q_BTHd, k_BSKd, v_BSKd: queries, keys and values.
+        q_positions, kv_positions, q_segment_ids, kv_segment_ids: positions and document ids.
+        is_causal, local_window_size, scale: the mask and the logit scale.
+        logits_soft_cap: ``c``: the scaled logits become ``c * tanh(logits / c)`` before the mask.
+        sinks: ``[H]``: one more logit per query head in every row's softmax, whose value is zero.
+        return_max_logits: also return ``max_logits [H]``, the largest logit (after the cap) over
+            visible pairs, ``-inf`` if none.
+        return_residual: append each row's ``logsumexp`` of its visible logits and sink ``[B, T, H]``.
+        q_span_ids, kv_span_ids: ``[B, T]``/``[B, S]``, 0: none: a causal mask also lets a query
+            see the later keys of its own span.
+
+    Returns:
+        ``o``; ``(o, max_logits)`` with ``return_max_logits``; the residual appended with
+        ``return_residual``.
     """
     H, K = q_BTHd.shape[2], k_BSKd.shape[2]
     scale = q_BTHd.shape[-1] ** -0.5 if scale is None else scale
@@ -37,7 +49,8 @@ def attend(
     if logits_soft_cap is not None:
         s_BHTS = logits_soft_cap * jnp.tanh(s_BHTS / logits_soft_cap)
     mask_BTS = visible(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                       is_causal=is_causal, window=normalize_window(local_window_size))
+                       is_causal=is_causal, window=normalize_window(local_window_size),
+                       q_span_BT=q_span_ids, kv_span_BS=kv_span_ids)
     mask = mask_BTS[:, None]
     o = _softmax_values(jnp.where(mask, s_BHTS, -1e30), mask, v, sinks).astype(q_BTHd.dtype)
     extra = (jax.lax.stop_gradient(jnp.where(mask, s_BHTS, -jnp.inf).max((0, 2, 3))),) if return_max_logits else ()

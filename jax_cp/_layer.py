@@ -39,6 +39,12 @@ class AttentionSharding:
     heads, the output kernel by rows). Any storage layout works: each call puts
     the weights in the compute layout first (e.g. an FSDP all-gather over
     ``dp``). ``param_specs(spec, mesh)`` gives the compute layout to start from.
+
+    Attributes:
+        q_kernel, k_kernel, v_kernel, o_kernel: the projection kernels' storage specs.
+        q_bias, k_bias, v_bias, o_bias: the biases' (``use_bias``).
+        q_norm, k_norm: the QK-norm scales' (``use_qk_norm``).
+        sinks: the sink logits' (``use_sinks``).
     """
 
     q_kernel: P | None = None
@@ -72,7 +78,15 @@ def _compute_specs(spec: AttentionSpec, layout: Layout) -> dict[str, P]:
 
 
 def param_specs(spec: AttentionSpec, mesh) -> AttentionSharding:
-    """The compute layout of the layer's parameters on ``mesh`` (the default storage layout)."""
+    """The compute layout of the layer's parameters on ``mesh`` (the default storage layout).
+
+    Args:
+        spec: the layer's :class:`AttentionSpec`.
+        mesh: the mesh.
+
+    Returns:
+        An :class:`AttentionSharding` with every parameter of ``spec`` set.
+    """
     return AttentionSharding(**_compute_specs(spec, spec.layout(mesh_dims(mesh))))
 
 
@@ -145,8 +159,9 @@ class LayerCall:
 
 def layer_call(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None, positions=None, segment_ids=None,
                local_window_size=None, scale=None, kv_x: tuple = (), kv_positions=None,
-               kv_segment_ids=None) -> LayerCall:
-    """Checks a call's inputs and prepares it (``layer_forward``'s arguments)."""
+               kv_segment_ids=None, span_ids=None, kv_span_ids=None) -> LayerCall:
+    """Checks a call's inputs and prepares it (``layer_forward``'s arguments; ``span_ids``/``kv_span_ids``:
+    bidirectional span ids, ``_body.span_sides``)."""
     _check_input("x", x_BSD, spec.in_features)
     B, S, _ = x_BSD.shape
     for name, a in zip(("inputs_k", "inputs_v"), kv_x):
@@ -162,12 +177,12 @@ def layer_call(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None, po
     changes = {name: value for name, value in changes.items() if getattr(spec, name) != value}
     spec = spec.replace(**changes) if changes else spec
     spec, _ = spec.resolve(mesh, batch=B, seq_len=S_kv, itemsize=dtype.itemsize, dtype=dtype,
-                           has_segments=segment_ids is not None)
+                           has_segments=segment_ids is not None, has_spans=span_ids is not None)
     layout = spec.layout(mesh_dims(mesh))
     check_seq_batch(B, S, layout.dims)
     check_seq_batch(B, S_kv, layout.dims, name="the key/value inputs' seq_len")
     sides = metadata_sides(positions, segment_ids, kv_positions, kv_segment_ids, B, S, S_kv)
-    meta, meta_specs = placed_metadata(sides[0], sides[1], B, S, mesh, *sides[2:])
+    meta, meta_specs = placed_metadata(sides[0], sides[1], B, S, mesh, *sides[2:], spans=(span_ids, kv_span_ids))
     specs = _compute_specs(spec, layout)
     params = {k: place(params[k], mesh, specs[k]) for k in specs}
     args = [params, place(x_BSD, mesh, X_SPEC), *(place(a, mesh, X_SPEC) for a in kv_x), meta]

@@ -39,16 +39,23 @@ def visible(
     *,
     is_causal: bool = False,
     window: Window = None,
+    q_span_BT: jax.Array | None = None,
+    kv_span_BS: jax.Array | None = None,
 ) -> jax.Array:
     """``mask_BTS[b, t, s]``: may query ``t`` see key ``s``.
 
     Keys must be in the query's segment (negative ids are padding: never
-    visible), within the window, and not after the query when causal.
+    visible), within the window, and, when causal, not after the query unless both
+    are in the same bidirectional span (``q_span_BT``/``kv_span_BS``: equal ids other
+    than 0; prefix-LM prompts, image tokens, video frames).
     """
     qp = q_pos_BT[:, :, None]
     kp = kv_pos_BS[:, None, :]
     mask = jnp.ones(jnp.broadcast_shapes(qp.shape, kp.shape), dtype=bool)
-    if is_causal:
+    if is_causal and q_span_BT is not None:
+        qs, ks = q_span_BT[:, :, None], kv_span_BS[:, None, :]
+        mask &= (kp <= qp) | ((qs == ks) & (qs != 0))
+    elif is_causal:
         mask &= kp <= qp
     if window is not None:
         left, right = window

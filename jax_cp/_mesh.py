@@ -2,6 +2,11 @@
 
 Axes, always these names: ``dp`` (batch), ``cp_colossal`` (K/V exchange along
 the sequence), ``cp_ulysses`` (sequence <-> head all-to-all), ``tp`` (heads).
+
+``make_mesh``'s axes are ``Auto`` by default (not ``jax.make_mesh``'s ``Explicit``), so the
+Flax and optax code around the attention (embedding lookups, losses, optimizer updates, orbax
+restores, eager ``jax.grad``) runs unchanged. ``AxisType.Explicit`` works too; see the README
+(and docs/guides/meshes.md) for what it asks of that code.
 """
 from __future__ import annotations
 
@@ -30,17 +35,18 @@ def make_mesh(
     devices: Sequence[jax.Device] | None = None,
     axis_types: AxisType | Sequence[AxisType] = AxisType.Auto,
 ) -> Mesh:
-    """Builds the ``("dp", "cp_colossal", "cp_ulysses", "tp")`` mesh.
+    """Builds the ``("dp", "cp_colossal", "cp_ulysses", "tp")`` mesh (why ``Auto`` axes: the Meshes guide).
 
-    ``dp=None`` takes the devices left over. Axes are laid onto the physical
-    topology by ``jax.make_mesh`` so the fast-varying axes (``cp_ulysses``,
-    ``tp``) land on the nearest chips. ``devices`` may be any device list,
-    including TPU topology devices for ahead-of-time compilation.
-    ``axis_types`` is one ``AxisType`` for all axes or one per axis; the
-    default is ``Auto`` (not ``jax.make_mesh``'s ``Explicit``), so the Flax and
-    optax code around the attention (embedding lookups, losses, optimizer
-    updates, orbax restores, eager ``jax.grad``) runs unchanged.
-    ``AxisType.Explicit`` works too; see the README for what it asks of that code.
+    Args:
+        cp_colossal, cp_ulysses, tp, dp: the axes' sizes; ``dp=None`` takes the devices left over.
+        devices: any device list (default ``jax.devices()``), TPU topology devices too (ahead-of-time).
+        axis_types: one ``AxisType`` for all axes or one per axis; default ``Auto`` (not ``jax.make_mesh``'s).
+
+    Returns:
+        The mesh, laid out by ``jax.make_mesh`` so ``cp_ulysses`` and ``tp`` land on the nearest chips.
+
+    Raises:
+        ValueError: a degree is not a positive int or does not fit the devices; bad ``axis_types``.
     """
     for name, value in (("cp_colossal", cp_colossal), ("cp_ulysses", cp_ulysses), ("tp", tp)):
         check_positive_int(name, value)
@@ -73,7 +79,14 @@ def make_mesh(
 
 @dataclasses.dataclass(frozen=True)
 class MeshDims:
-    """Sizes of the four axes: ``P = c*u`` is the context-parallel degree."""
+    """Sizes of the four axes: ``P = c*u`` is the context-parallel degree.
+
+    Attributes:
+        dp: size of the ``dp`` axis.
+        c: size of the ``cp_colossal`` axis.
+        u: size of the ``cp_ulysses`` axis.
+        t: size of the ``tp`` axis.
+    """
 
     dp: int
     c: int
@@ -82,11 +95,24 @@ class MeshDims:
 
     @property
     def cp(self) -> int:
+        """The context-parallel degree ``P = c*u``."""
         return self.c * self.u
 
 
 def mesh_dims(mesh) -> MeshDims:
-    """Checks that ``mesh`` has the four named axes and returns their sizes."""
+    """Checks that ``mesh`` has the four named axes and returns their sizes.
+
+    Args:
+        mesh: a mesh built with :func:`make_mesh` (axes ``dp``, ``cp_colossal``,
+            ``cp_ulysses``, ``tp``; extra axes of size 1 are allowed).
+
+    Returns:
+        The :class:`MeshDims` of ``mesh``.
+
+    Raises:
+        ValueError: ``mesh`` is ``None``, lacks one of the four axes, or has
+            extra axes of size > 1.
+    """
     if mesh is None:
         raise ValueError("mesh=None: pass the mesh to shard over, e.g. mesh=jax_cp.make_mesh(cp_ulysses=8).")
     names = tuple(getattr(mesh, "axis_names", ()))
@@ -108,7 +134,17 @@ def is_explicit(mesh) -> bool:
 
 
 def place(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
-    """Puts ``x`` on ``mesh`` with ``spec``, for Explicit and Auto meshes alike."""
+    """Puts ``x`` on ``mesh`` with ``spec``, for Explicit and Auto meshes alike.
+
+    Args:
+        x: the array to place.
+        mesh: the mesh to place it on.
+        spec: the ``PartitionSpec`` of the result.
+
+    Returns:
+        ``x`` resharded (Explicit meshes) or sharding-constrained (Auto meshes)
+        to ``NamedSharding(mesh, spec)``.
+    """
     sharding = NamedSharding(mesh, spec)
     if is_explicit(mesh):
         return jax.reshard(x, sharding)
@@ -120,11 +156,24 @@ def _axes_of(entry) -> tuple[str, ...]:
 
 
 def gather(x: jax.Array, mesh: Mesh, stored: P, spec: P) -> jax.Array:
-    """``x``, stored as ``stored`` (the layout ``spec`` plus storage axes on dimensions ``spec`` leaves
-    whole, e.g. FSDP), in the layout ``spec``: one explicit all-gather per such dimension inside
-    ``shard_map``, whose transpose is a reduce-scatter (``psum_scatter``): the gradient sum then
-    moves half an all-reduce's bytes (each device keeps its shard), where the compiler's own
-    resharding made it an all-reduce of the whole weight. Other layouts: :func:`place`."""
+    """Gathers ``x`` from its storage layout ``stored`` into the layout ``spec``.
+
+    One explicit all-gather per storage dimension inside ``shard_map``, whose
+    transpose is a reduce-scatter (``psum_scatter``): the gradient sum then
+    moves half an all-reduce's bytes (each device keeps its shard), where the
+    compiler's own resharding made it an all-reduce of the whole weight.
+
+    Args:
+        x: the array, stored as ``stored``.
+        mesh: the mesh.
+        stored: the storage layout: ``spec`` plus storage axes on dimensions
+            ``spec`` leaves whole (e.g. FSDP).
+        spec: the layout wanted.
+
+    Returns:
+        ``x`` in the layout ``spec``. Other layouts (not ``spec`` plus storage
+        axes) go through :func:`place`.
+    """
     rank = x.ndim
     stored_e, spec_e = [list(p) + [None] * (rank - len(p)) for p in (stored, spec)]
     dims = [(i, _axes_of(a)) for i, (a, b) in enumerate(zip(stored_e, spec_e)) if a is not None and b is None]

@@ -28,6 +28,9 @@ class Meta:
         queries and keys (``query_seq_lengths``/``key_value_seq_lengths``), or cross attention.
       kv_pos: the keys' positions ``[B, S_kv]`` (cross attention: keys are other tokens than the
         queries, of their own length); ``None``: the queries' own.
+      span: the queries' bidirectional span ids ``[B, S]`` (0: none; a causal mask lets a token see
+        the later tokens of its own span), or None.
+      kv_span: the keys' span ids (cross attention); ``None``: the queries' own.
       natural: (static) ``pos`` is the default ``arange(S)`` of every row and nothing else is given.
     """
 
@@ -35,11 +38,17 @@ class Meta:
     seg: jax.Array | None = None
     kv_seg: jax.Array | None = None
     kv_pos: jax.Array | None = None
+    span: jax.Array | None = None
+    kv_span: jax.Array | None = None
     natural: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def keys_seg(self):
         return self.seg if self.kv_seg is None else self.kv_seg
+
+    @property
+    def keys_span(self):
+        return self.span if self.kv_span is None else self.kv_span
 
     @property
     def keys_pos(self):

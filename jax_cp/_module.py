@@ -19,35 +19,51 @@ class CPAttention(nnx.Module):
     """Multi-head attention over a sequence sharded on ``mesh`` (arguments in ``nnx.MultiHeadAttention``'s order).
 
     Call on a global ``x [B, S, D]`` (sharded ``P("dp", ("cp_colossal", "cp_ulysses"), None)``,
-    or any sharding: it is resharded); returns ``y [B, S, out_features]`` (``out_features=None``: D)
-    sharded the same way. ``model(x, inputs_kv)`` (or flax's ``inputs_k, inputs_v``) is cross
-    attention to other tokens ``[B, S_kv, D]``, sharded along their sequence the same way.
-    Parameters are created already sharded (by default q/k/v kernels split over
-    ``tp`` by heads, the output kernel by rows; ``sharding``, an
-    ``AttentionSharding``, stores them otherwise, e.g. FSDP over ``dp``) and
-    carry ``out_sharding`` metadata, so ``nnx.get_partition_spec`` gives their
-    layout. ``overlap_chunks=n`` runs the layer in ``n`` head groups
-    (projections, exchanges, attention, output projection) so chunk i's
-    collectives run under chunk i±1's matmuls and attention. ``kernel`` picks
-    the local attention kernel, ``kv_exchange`` the colossal K/V exchange (a
-    ``jax_cp.exchanges`` value or its name, ``jax_cp.exchanges.NAMES``).
-    ``fused_qkv_chunks=k`` sends Q, K and V of the first ``k`` head chunks over
-    ``cp_ulysses`` in one all-to-all instead of two (Q; K and V): the same bytes
-    in fewer collectives, which some TPU schedules hide better (the planner
-    measures it; ``0`` none, ``overlap_chunks`` every chunk). These three
-    default to ``"auto"``: resolved when the layer is traced, from the mesh's chip
-    and layout, by the measured rule in ``jax_cp._defaults`` (``resolved`` shows
-    the choice and why); explicit values win. ``block_q``/``block_kv`` size the blockwise
-    kernel's tiles (``None``: ``jax_cp.kernels.auto_blocks``); ``logits_soft_cap=c`` caps the
-    scaled logits to ``c * tanh(logits / c)``; ``use_sinks=True`` adds a ``sinks [num_heads]``
-    parameter (zeros, split over ``tp`` with the heads): a learned logit per query head joining its
-    softmax denominator once (GPT-OSS attention sinks). ``record_max_logits=True`` sows each
-    call's per-head maximum logit (``[num_heads]`` float32, over the whole mesh; for QK-clip) as
-    ``nnx.Intermediate`` ``max_logits`` (read it with ``nnx.pop(model, nnx.Intermediate)``).
-    ``self.spec`` is the validated
-    ``AttentionSpec``. Inference: ``init_cache((batch, max_length))``, then ``prefill=True`` on a prompt
-    and ``decode=True`` (or ``decode=True`` here / ``nnx.view(model, decode=True)``) on new tokens:
-    a KV cache sharded along the sequence over the CP axes (``jax_cp._decode``).
+    or any sharding: it is resharded); returns ``y [B, S, out_features]`` sharded the same way.
+    ``model(x, inputs_kv)`` (or flax's ``inputs_k, inputs_v``) is cross attention to other tokens
+    ``[B, S_kv, D]``, sharded along their sequence the same way. Parameters are created already
+    sharded and carry ``out_sharding`` metadata, so ``nnx.get_partition_spec`` gives their layout.
+    ``self.spec`` is the validated ``AttentionSpec``. Inference: ``init_cache((batch,
+    max_length))``, then ``prefill=True`` on a prompt and ``decode=True`` (or ``decode=True``
+    here / ``nnx.view(model, decode=True)``) on new tokens: a KV cache sharded along the sequence
+    over the CP axes (``jax_cp._decode``).
+
+    Args:
+        num_heads: query heads.
+        in_features: the model width ``D``.
+        num_kv_heads, head_dim, v_head_dim: as :class:`AttentionSpec`.
+        out_features: the output width (``None``: ``D``).
+        mesh: the mesh (:func:`jax_cp.make_mesh`).
+        is_causal, use_qk_norm, rope_theta, use_bias: causal mask, QK norm, RoPE base, biases.
+        dtype, param_dtype, kernel_init, rngs: as flax's attention modules.
+        overlap_chunks: ``n`` runs the layer in ``n`` head groups (projections, exchanges,
+            attention, output projection) so chunk i's collectives run under chunk i±1's
+            matmuls and attention.
+        kernel: the local attention kernel.
+        kv_exchange: the colossal K/V exchange (a ``jax_cp.exchanges`` value or its name,
+            ``jax_cp.exchanges.NAMES``).
+        fused_qkv_chunks: ``k`` sends Q, K and V of the first ``k`` head chunks over
+            ``cp_ulysses`` in one all-to-all instead of two (Q; K and V): the same bytes in
+            fewer collectives, which some TPU schedules hide better (the planner measures it;
+            ``0`` none, ``overlap_chunks`` every chunk). ``overlap_chunks``, ``kernel``,
+            ``kv_exchange`` and ``fused_qkv_chunks`` default to ``"auto"``: resolved when the
+            layer is traced, from the mesh's chip and layout, by the measured rule in
+            ``jax_cp._defaults`` (``resolved`` shows the choice and why); explicit values win.
+        sharding: an ``AttentionSharding`` storing the parameters otherwise than the default
+            (q/k/v kernels split over ``tp`` by heads, the output kernel by rows), e.g. FSDP
+            over ``dp``.
+        block_q, block_kv: the blockwise kernel's tiles (``None``: ``jax_cp.kernels.auto_blocks``).
+        logits_soft_cap: ``c`` caps the scaled logits to ``c * tanh(logits / c)``.
+        use_sinks: adds a ``sinks [num_heads]`` parameter (zeros, split over ``tp`` with the
+            heads): a learned logit per query head joining its softmax denominator once
+            (GPT-OSS attention sinks).
+        record_max_logits: sows each call's per-head maximum logit (``[num_heads]`` float32,
+            over the whole mesh; for QK-clip) as ``nnx.Intermediate`` ``max_logits`` (read it
+            with ``nnx.pop(model, nnx.Intermediate)``).
+        decode: run calls as decode steps on the KV cache.
+
+    Raises:
+        ValueError: an argument is invalid (see :class:`AttentionSpec`).
     """
 
     def __init__(self, num_heads: int, in_features: int, *, num_kv_heads: int | None = None,
@@ -105,6 +121,7 @@ class CPAttention(nnx.Module):
 
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, positions=None, segment_ids=None,
                  kv_positions=None, kv_segment_ids=None, local_window_size=None, decode: bool | None = None,
+                 span_ids=None, kv_span_ids=None,
                  prefill: bool = False, lengths=None, mask=None):
         """Self-attention over ``inputs_q [B, S, D]``, or cross attention (flax's arguments): keys from
         ``inputs_k`` and values from ``inputs_v`` (``[B, S_kv, D]``; each defaults to the one before;
@@ -117,7 +134,10 @@ class CPAttention(nnx.Module):
         A packed prompt's ``segment_ids`` (negative: padding) mask the prompt as in training; decode
         then continues each row's last document (its largest segment id) with the prefill's window.
         Decoding is causal whatever ``is_causal`` (as flax's). ``mask`` (flax's dense mask) is refused
-        with the data-driven arguments to use instead.
+        with the data-driven arguments to use instead. ``span_ids`` (``[B, S]`` ints, 0: none; the
+        keys' ``kv_span_ids`` for cross attention): a causal layer also lets a token see the later
+        tokens of its own span (prefix-LM prompts, image tokens, video frames); prefill takes them,
+        and the tokens decode generates are outside every span.
         """
         refuse_dense(mask=mask)
         params = {name: getattr(self, name)[...] for name in param_shapes(self.spec)}
@@ -126,19 +146,20 @@ class CPAttention(nnx.Module):
         decode = self.decode if decode is None else decode
         if prefill or decode:
             _decode.check_inference(self.spec, kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), prefill,
-                                    kv_positions=kv_positions, kv_segment_ids=kv_segment_ids, segment_ids=segment_ids)
+                                    kv_positions=kv_positions, kv_segment_ids=kv_segment_ids, segment_ids=segment_ids,
+                                    span_ids=span_ids, kv_span_ids=kv_span_ids)
             cache = {name: getattr(self, name, None) for name in _decode.CACHE_FIELDS}
             y, cache = _decode.infer(params, inputs_q, {k: None if v is None else v[...] for k, v in cache.items()},
                                      mesh=self.mesh, spec=self.spec, dtype=self.dtype, prefill=prefill,
                                      positions=positions, lengths=lengths, local_window_size=local_window_size,
-                                     segment_ids=segment_ids)
+                                     segment_ids=segment_ids, span_ids=span_ids)
             for name, value in cache.items():
                 getattr(self, name)[...] = value
             return y
         y = layer_forward(params, inputs_q, mesh=self.mesh, spec=self.spec, dtype=self.dtype, positions=positions,
                           segment_ids=segment_ids, local_window_size=local_window_size,
                           kv_x=kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), kv_positions=kv_positions,
-                          kv_segment_ids=kv_segment_ids)
+                          kv_segment_ids=kv_segment_ids, span_ids=span_ids, kv_span_ids=kv_span_ids)
         if self.spec.record_max_logits:
             y, max_logits = y
             self.sow(nnx.Intermediate, "max_logits", max_logits)

@@ -49,6 +49,17 @@ def derive_dims(*, num_heads, in_features=None, num_kv_heads=None, head_dim=None
 
 
 def param_shapes(spec) -> dict[str, tuple[int, ...]]:
+    """The shape of each attention parameter.
+
+    Args:
+        spec: the :class:`AttentionSpec` (or any object with its dimension and
+            ``use_bias`` / ``use_qk_norm`` / ``use_sinks`` fields).
+
+    Returns:
+        ``{name: shape}``: ``q_kernel``, ``k_kernel``, ``v_kernel``,
+        ``o_kernel``; with ``use_bias`` the four biases; with ``use_qk_norm``
+        ``q_norm`` and ``k_norm``; with ``use_sinks`` ``sinks``.
+    """
     D, H, K, d, E = spec.in_features, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.out_features
     dv = spec.v_head_dim
     shapes = {"q_kernel": (D, H, d), "k_kernel": (D, K, d), "v_kernel": (D, K, dv), "o_kernel": (H, dv, E)}

@@ -12,7 +12,20 @@ __all__ = ["apply_rope", "rms_norm"]
 
 
 def apply_rope(x_BSHd: jax.Array, pos_BS: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding (half-split convention) at the given global positions."""
+    """Rotary embedding (half-split convention) at the given global positions.
+
+    Args:
+        x_BSHd: ``[B, S, H, d]`` queries or keys.
+        pos_BS: ``[B, S]`` global positions.
+        theta: the RoPE base.
+
+    Returns:
+        The rotated ``[B, S, H, d]`` array in ``x_BSHd``'s dtype (computed in
+        float32, float64 for float64).
+
+    Raises:
+        ValueError: ``d`` is odd.
+    """
     d = x_BSHd.shape[-1]
     if d % 2:
         raise ValueError(f"head_dim={d} must be even for RoPE (rope_theta={theta}).")
@@ -27,7 +40,16 @@ def apply_rope(x_BSHd: jax.Array, pos_BS: jax.Array, theta: float) -> jax.Array:
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """RMS norm over the last axis, float32 statistics (float64 for float64), learned ``scale``."""
+    """RMS norm over the last axis, float32 statistics (float64 for float64), learned ``scale``.
+
+    Args:
+        x: the array to normalize over its last axis.
+        scale: the learned scale, shape ``x.shape[-1:]``.
+        eps: added to the mean square before the reciprocal square root.
+
+    Returns:
+        The normalized, scaled array in ``x``'s dtype.
+    """
     acc = jnp.promote_types(x.dtype, jnp.float32)
     xf = x.astype(acc)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)

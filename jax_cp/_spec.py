@@ -28,21 +28,35 @@ __all__ = ["AttentionSpec", "Layout", "check_seq_batch"]
 class AttentionSpec:
     """One attention layer, mesh-independent; validated on creation.
 
-    ``num_kv_heads=None`` means ``num_heads``; ``head_dim=None`` means
-    ``in_features // num_heads``; ``out_features=None`` means ``in_features`` (the output
-    projection's width, as flax's ``MultiHeadAttention``); ``v_head_dim=None`` means ``head_dim`` (MLA
-    models give values a head dim of their own). ``in_features`` is the model width (``None``
-    for :func:`jax_cp.dot_product_attention`, which has no projections).
-    ``kv_exchange`` is a ``jax_cp.exchanges`` value or its name (stored as the value).
     ``overlap_chunks``, ``fused_qkv_chunks`` and ``kv_exchange`` may be ``"auto"``
     (the default): :meth:`resolve` fills them in for a mesh (``jax_cp._defaults.choose``).
-    ``block_q``/``block_kv`` size the blockwise kernel's tiles (``None``: chosen from the local
-    batch, heads and platform, ``jax_cp.kernels.auto_blocks``); splash and cuDNN pick their own.
-    ``logits_soft_cap=c`` caps the scaled logits to ``c * tanh(logits / c)`` before the mask.
-    ``use_sinks=True`` gives the layer a ``sinks [num_heads]`` parameter: one learned logit per query
-    head joining its softmax denominator (no value). ``record_max_logits=True``: each call also
-    yields the per-head maximum of the logits that entered the softmax (for QK-clip);
-    ``return_residual=True`` (``dot_product_attention``'s) also the log-sum-exp of every row.
+
+    Attributes:
+        num_heads: query heads.
+        num_kv_heads: key/value heads; ``None`` means ``num_heads``.
+        head_dim: ``None`` means ``in_features // num_heads``.
+        in_features: the model width (``None`` for :func:`jax_cp.dot_product_attention`, which
+            has no projections).
+        out_features: the output projection's width, as flax's ``MultiHeadAttention``;
+            ``None`` means ``in_features``.
+        v_head_dim: ``None`` means ``head_dim`` (MLA models give values a head dim of their own).
+        is_causal, local_window_size, scale: the mask and the logit scale.
+        use_qk_norm, rope_theta, use_bias: RMS norm of queries and keys, RoPE base, biases.
+        overlap_chunks, fused_qkv_chunks: head chunks (see :class:`jax_cp.CPAttention`), or ``"auto"``.
+        kernel: the local attention kernel (stored as the value).
+        kv_exchange: a ``jax_cp.exchanges`` value or its name (stored as the value), or ``"auto"``.
+        block_q, block_kv: the blockwise kernel's tiles (``None``: chosen from the local batch,
+            heads and platform, ``jax_cp.kernels.auto_blocks``); splash and cuDNN pick their own.
+        logits_soft_cap: ``c`` caps the scaled logits to ``c * tanh(logits / c)`` before the mask.
+        use_sinks: gives the layer a ``sinks [num_heads]`` parameter: one learned logit per
+            query head joining its softmax denominator (no value).
+        record_max_logits: each call also yields the per-head maximum of the logits that
+            entered the softmax (for QK-clip).
+        return_residual: (``dot_product_attention``'s) each call also yields the log-sum-exp
+            of every row.
+
+    Raises:
+        ValueError: on creation, a field is invalid.
     """
 
     num_heads: int
@@ -123,7 +137,8 @@ class AttentionSpec:
         return spec
 
     def resolve(self, mesh, *, batch: int | None = None, seq_len: int | None = None, itemsize: int = 2,
-                dtype=None, has_segments: bool = False) -> tuple["AttentionSpec", Choice | None]:
+                dtype=None, has_segments: bool = False,
+                has_spans: bool = False) -> tuple["AttentionSpec", Choice | None]:
         """This spec with every ``"auto"`` filled in for ``mesh`` (explicit values kept), and the
         ``Choice`` behind the grouping (``None`` when exchange and chunks were explicit).
 
@@ -131,7 +146,7 @@ class AttentionSpec:
         call it. ``batch``/``seq_len`` enable the memory rule (the ring when all-gathered K/V would
         not fit) and, with ``seq_len``, the long-sequence entries (``_defaults.SPLASH_LONG_RULES``).
         The kernel is chosen here too (``_defaults.choose_kernel``), for inputs of ``dtype``
-        (default: the float type of ``itemsize`` bytes) with or without segment ids.
+        (default: the float type of ``itemsize`` bytes) with or without segment ids and span ids.
         """
         if self.is_resolved:
             return self, None
@@ -157,7 +172,7 @@ class AttentionSpec:
             dtype=_FLOAT_OF_SIZE.get(itemsize, jnp.bfloat16) if dtype is None else jnp.dtype(dtype),
             head_dim=self.head_dim, v_head_dim=self.v_head_dim, logits_soft_cap=self.logits_soft_cap,
             use_sinks=self.use_sinks, record_max_logits=self.record_max_logits, return_residual=self.return_residual,
-            kv_len=None if seq_len is None else ex.keys_per_call(seq_len, dims.c))
+            kv_len=None if seq_len is None else ex.keys_per_call(seq_len, dims.c), spans=has_spans)
         return self._filled(kv_exchange=ex, overlap_chunks=n, fused_qkv_chunks=f, kernel=kernel), c
 
     def _choice(self, dims: MeshDims, platform: str, chip: str | None, batch, seq_len, itemsize) -> Choice:

@@ -330,14 +330,26 @@ def splash_attention(
     is_causal=False, local_window_size=None, scale=None, logits_soft_cap=None, sinks=None, interpret: bool = False,
     natural_positions: bool = False,
 ):
-    """Splash attention with our data-defined masks (causal/full, segments, windows up to
-    ``MAX_WINDOW_KEYS`` keys); ``sinks [H]`` go to the kernel's own sink support.
+    """Splash attention with our data-defined masks (causal/full, segments, windows up to ``MAX_WINDOW_KEYS`` keys).
 
-    ``interpret=True`` runs the Pallas kernel in interpret mode (any backend,
-    slow: for tests). Rows that see no key return zeros. ``natural_positions=True``: the caller
-    states that the positions are ``arange`` on both sides (queries and keys the same tokens, no
-    segment ids); the mask is then built when traced, as it is for a mask that ignores positions
-    (not causal, no window, no segment ids): no sort of keys at run time.
+    Rows that see no key return zeros.
+
+    Args:
+        q_BTHd, k_BSKd, v_BSKd: the local queries, keys and values.
+        q_positions, kv_positions, q_segment_ids, kv_segment_ids: positions and document ids.
+        is_causal, local_window_size, scale, logits_soft_cap: the mask, scale and soft cap.
+        sinks: ``[H]`` sink logits, given to the kernel's own sink support (or None).
+        interpret: run the Pallas kernel in interpret mode (any backend, slow: for tests).
+        natural_positions: the caller states that the positions are ``arange`` on both sides
+            (queries and keys the same tokens, no segment ids); the mask is then built when
+            traced, as it is for a mask that ignores positions (not causal, no window, no
+            segment ids): no sort of keys at run time.
+
+    Returns:
+        ``o`` ``[B, T, H, dv]``.
+
+    Raises:
+        ValueError: splash cannot serve the call (e.g. a window over too many keys).
     """
     window = normalize_window(local_window_size)
     reason = splash_unsupported_reason(window=window, kv_len=k_BSKd.shape[1])

@@ -56,6 +56,13 @@ def seq_to_heads(parts, axis_name):
     in the same collective (TPUs run one all-to-all at a time, so one larger
     exchange leaves more compute to hide it under than several small ones).
     Backward: the inverse all-to-all, also one collective.
+
+    Args:
+        parts: the tensors, each ``[B, S/u, H_i, d]`` (inside ``shard_map``).
+        axis_name: the mesh axis of size ``u`` to exchange over.
+
+    Returns:
+        A tuple of ``[B, S, H_i/u, d]`` tensors.
     """
     u = lax.axis_size(axis_name)
     if u == 1:
@@ -92,7 +99,15 @@ seq_to_heads.defvjp(_s2h_fwd, _s2h_bwd)
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
 def heads_to_seq(x_BSHd, axis_name):
-    """The inverse: ``[B, S, H/u, d] -> [B, S/u, H, d]`` (split sequence, join heads)."""
+    """The inverse: ``[B, S, H/u, d] -> [B, S/u, H, d]`` (split sequence, join heads).
+
+    Args:
+        x_BSHd: ``[B, S, H/u, d]`` (inside ``shard_map``).
+        axis_name: the mesh axis of size ``u`` to exchange over.
+
+    Returns:
+        ``[B, S/u, H, d]``.
+    """
     return a2a(x_BSHd, axis_name, 1, 2)
 
 

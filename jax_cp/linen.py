@@ -31,6 +31,17 @@ class CPAttention(nn.Module):
     collection yet (``model.init(key, jnp.zeros((B, max_length, D)), decode=True)``) creates the KV
     cache for that batch and length; later calls with ``mutable=["cache"]`` take ``prefill=True`` (a
     prompt, ``lengths`` real tokens each) or ``decode=True`` (new tokens), as ``jax_cp.CPAttention``.
+
+    Attributes:
+        num_heads, in_features, num_kv_heads, head_dim, out_features, v_head_dim: as
+            ``jax_cp.CPAttention``.
+        mesh, is_causal, use_qk_norm, rope_theta, use_bias: as ``jax_cp.CPAttention``.
+        dtype, param_dtype, kernel_init: as flax's attention modules.
+        overlap_chunks, kernel, kv_exchange, fused_qkv_chunks, sharding: as
+            ``jax_cp.CPAttention`` (``overlap_chunks=None`` means ``"auto"``).
+        block_q, block_kv, logits_soft_cap, use_sinks: as ``jax_cp.CPAttention``.
+        record_max_logits: sow the per-head maximum logit into ``"intermediates"`` (above).
+        decode: run calls as decode steps on the KV cache (above).
     """
 
     num_heads: int
@@ -74,6 +85,7 @@ class CPAttention(nn.Module):
     @nn.compact
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, positions=None, segment_ids=None,
                  kv_positions=None, kv_segment_ids=None, local_window_size=None, decode: bool | None = None,
+                 span_ids=None, kv_span_ids=None,
                  prefill: bool = False, lengths=None, mask=None):
         refuse_dense(mask=mask)
         spec = self.spec
@@ -87,11 +99,12 @@ class CPAttention(nn.Module):
         decode = self.decode if decode is None else decode
         if (prefill or decode) and self.has_variable("cache", "cached_key"):
             _decode.check_inference(spec, kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), prefill,
-                                    kv_positions=kv_positions, kv_segment_ids=kv_segment_ids, segment_ids=segment_ids)
+                                    kv_positions=kv_positions, kv_segment_ids=kv_segment_ids, segment_ids=segment_ids,
+                                    span_ids=span_ids, kv_span_ids=kv_span_ids)
             cache = {name: self.get_variable("cache", name) for name in _decode.CACHE_FIELDS}
             y, cache = _decode.infer(params, inputs_q, cache, mesh=self.mesh, spec=spec, dtype=self.dtype,
                                      prefill=prefill, positions=positions, lengths=lengths,
-                                     local_window_size=local_window_size, segment_ids=segment_ids)
+                                     local_window_size=local_window_size, segment_ids=segment_ids, span_ids=span_ids)
             for name, value in cache.items():
                 self.put_variable("cache", name, value)
             return y
@@ -102,7 +115,7 @@ class CPAttention(nn.Module):
         y = layer_forward(params, inputs_q, mesh=self.mesh, spec=spec, dtype=self.dtype, positions=positions,
                           segment_ids=segment_ids, local_window_size=local_window_size,
                           kv_x=kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), kv_positions=kv_positions,
-                          kv_segment_ids=kv_segment_ids)
+                          kv_segment_ids=kv_segment_ids, span_ids=span_ids, kv_span_ids=kv_span_ids)
         if spec.record_max_logits:
             y, max_logits = y
             self.sow("intermediates", "max_logits", max_logits)

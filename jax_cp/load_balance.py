@@ -81,12 +81,24 @@ def _apply(tree, mesh, axis: int, inverse: bool):
 def reorder(tree, mesh, *, axis: int = 1):
     """Puts every array of ``tree`` (sequence on ``axis``) into the balanced order.
 
-    Returns ``(reordered_tree, positions)``: ``positions`` (``[seq_len]`` int32) are
-    the natural positions of the reordered tokens, what ``positions=`` of the
-    attention call must be (attention without them assumes the natural order and
-    is silently wrong on balanced inputs). A tree that carries its own positions
-    (per-document positions of packed sequences, reordered with it) passes those
-    instead. :func:`restore` undoes the reorder.
+    :func:`restore` undoes the reorder.
+
+    Args:
+        tree: a pytree of arrays sharing one sequence length on ``axis``.
+        mesh: the mesh whose ``cp_colossal`` size sets the dual-chunk order.
+        axis: the sequence axis of every array.
+
+    Returns:
+        ``(reordered_tree, positions)``: ``positions`` (``[seq_len]`` int32) are
+        the natural positions of the reordered tokens, what ``positions=`` of
+        the attention call must be (attention without them assumes the natural
+        order and is silently wrong on balanced inputs). A tree that carries its
+        own positions (per-document positions of packed sequences, reordered
+        with it) passes those instead.
+
+    Raises:
+        ValueError: the arrays of ``tree`` do not share one sequence length, or
+            it is not divisible by ``2 * cp_colossal``.
     """
     lengths = {jnp.shape(x)[axis] for x in jax.tree.leaves(tree)}
     if len(lengths) != 1:
@@ -97,25 +109,41 @@ def reorder(tree, mesh, *, axis: int = 1):
 
 
 def restore(tree, mesh, *, axis: int = 1):
-    """Inverse of :func:`reorder`: back to natural order."""
+    """Inverse of :func:`reorder`: back to natural order.
+
+    Args:
+        tree: a pytree of arrays in the balanced order (sequence on ``axis``).
+        mesh: the mesh :func:`reorder` was given.
+        axis: the sequence axis of every array.
+
+    Returns:
+        ``tree`` with every array back in natural order.
+    """
     return _apply(tree, mesh, axis, inverse=True)
 
 
 def balanced(fn, order, *, axis: int = 1):
     """``fn`` run on the balanced order, with the positions it needs, its outputs back in natural order.
 
-    ``order``: a mesh (the dual-chunk order of :func:`reorder`) or a :class:`Dispatch` (a packed
-    batch's plan, :func:`plan`). Returns ``g(tree, *args, **kwargs)``: every array of ``tree``
-    (sequence on ``axis``) is put in that order, ``fn(reordered_tree, *args, positions=positions,
-    **kwargs)`` runs, and every array it returns whose ``axis`` has the sequence's length is put
-    back; other outputs (a loss, per-head statistics) pass as they are. So
-    attention never sees the balanced order without its positions, and no caller sees it at all.
+    Attention never sees the balanced order without its positions, and no caller sees it at all.
     A tree that carries per-document positions reorders them with it: pass those on inside ``fn``
     (``positions=`` then holds the natural positions of the reordered tokens). Works eagerly and
     under ``jit``/``grad``.
 
-    ``ValueError`` when ``fn`` takes no ``positions`` keyword (it would attend as if the order were
-    natural), or when the tree's arrays do not share one sequence length.
+    Args:
+        fn: called as ``fn(reordered_tree, *args, positions=positions, **kwargs)``.
+        order: a mesh (the dual-chunk order of :func:`reorder`) or a :class:`Dispatch` (a packed
+            batch's plan, :func:`plan`).
+        axis: the sequence axis of the arrays of ``tree`` and of ``fn``'s outputs.
+
+    Returns:
+        ``g(tree, *args, **kwargs)``: every array of ``tree`` is put in that order, ``fn`` runs, and
+        every array it returns whose ``axis`` has the sequence's length is put back; other outputs
+        (a loss, per-head statistics) pass as they are.
+
+    Raises:
+        ValueError: ``fn`` takes no ``positions`` keyword (it would attend as if the order were
+            natural), or (when ``g`` is called) the tree's arrays do not share one sequence length.
     """
     try:
         inspect.signature(fn).bind_partial(positions=None)
@@ -142,7 +170,18 @@ def balanced(fn, order, *, axis: int = 1):
 
 
 def positions(seq_len: int, mesh) -> jax.Array:
-    """Global positions ``[seq_len]`` (int32) of the reordered sequence."""
+    """Global positions ``[seq_len]`` (int32) of the reordered sequence.
+
+    Args:
+        seq_len: the sequence length.
+        mesh: the mesh whose ``cp_colossal`` size sets the order.
+
+    Returns:
+        The natural position of each token of the balanced order.
+
+    Raises:
+        ValueError: ``seq_len`` is not divisible as load balancing needs.
+    """
     dims = mesh_dims(mesh)
     _check_len(seq_len, dims.c, dims.u)
     return _apply(jnp.arange(seq_len, dtype=jnp.int32), mesh, 0, inverse=False)
@@ -154,7 +193,23 @@ def work(mesh, seq_len: int, *, is_causal: bool, segment_ids=None, local_window_
 
     Device ``(i, j)`` attends the queries of colossal chunk ``i`` (in the given
     order) for ``1/u`` of the heads, so it is charged ``pairs(chunk i) / u``.
-    ``segment_ids`` (``[S]`` or ``[B, S]``, natural order) are summed over the batch.
+
+    Args:
+        mesh: the mesh.
+        seq_len: the sequence length.
+        is_causal: whether the attention is causal.
+        segment_ids: ``[S]`` or ``[B, S]`` document ids in natural order (summed
+            over the batch), or ``None``.
+        local_window_size: the sliding window, or ``None``.
+        balanced: count on the balanced order (:func:`reorder`) instead of the
+            natural one.
+
+    Returns:
+        A numpy array of the pairs per CP device.
+
+    Raises:
+        ValueError: ``seq_len`` is not divisible by the CP degree (or by
+            ``2 * cp_colossal`` when ``balanced``).
     """
     dims = mesh_dims(mesh)
     if balanced:

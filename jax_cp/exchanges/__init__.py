@@ -36,7 +36,17 @@ DEFAULT: KVExchange = EXCHANGES[0]
 
 
 def resolve(kv_exchange) -> KVExchange:
-    """An exchange value, or its name, as the value (the one place strings become exchanges)."""
+    """An exchange value, or its name, as the value (the one place strings become exchanges).
+
+    Args:
+        kv_exchange: a :class:`KVExchange` value, or the name of one of :data:`EXCHANGES`.
+
+    Returns:
+        The :class:`KVExchange`.
+
+    Raises:
+        ValueError: ``kv_exchange`` names no exchange.
+    """
     if isinstance(kv_exchange, KVExchange):
         return kv_exchange
     for x in EXCHANGES:

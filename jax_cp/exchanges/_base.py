@@ -68,7 +68,8 @@ class KVExchange:
         segment ids in ``q_meta``) against every key of the global ``k, v [B, S, K, d]``."""
         return _dense.attend(q_BTHd, k_BSKd, v_BSKd, q_positions=q_meta.pos, kv_positions=kv_meta.pos,
                                 q_segment_ids=q_meta.seg, kv_segment_ids=kv_meta.seg, is_causal=spec.is_causal,
-                                local_window_size=spec.local_window_size, scale=spec.scale)
+                                local_window_size=spec.local_window_size, scale=spec.scale,
+                                q_span_ids=q_meta.span, kv_span_ids=kv_meta.span)
 
     def attend_local(self, q_BTHd, k_BtKd, v_BtKd, meta: Meta, spec, sinks=None):
         """As ``attend``, with K/V still on the device's own tokens ``[B, S/(c*u), ...]``:
@@ -102,4 +103,5 @@ def attend_gathered(q_BTHd, kv_BS2Kd, meta: Meta, spec, sinks=None):
         local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q, block_kv=spec.block_kv,
         logits_soft_cap=spec.logits_soft_cap, sinks=sinks, return_max_logits=spec.record_max_logits,
         return_residual=spec.return_residual, natural_positions=natural,
+        **({} if meta.span is None else dict(q_span_ids=seq_chunk(meta.span, (COLOSSAL,)), kv_span_ids=meta.keys_span)),
     )

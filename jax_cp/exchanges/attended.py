@@ -82,6 +82,9 @@ class Attended(KVExchange):
         return self.block * sum(self.sizes)
 
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
+        if meta.span is not None:  # its block summaries know no spans: it would drop visible keys
+            raise ValueError(f"kv_exchange={self} does not take span_ids (its blocks are chosen by documents, "
+                             "positions and windows only); use kv_exchange='all_gather', 'all_to_all' or 'ring'.")
         c = lax.axis_size(COLOSSAL)
         kv = pair_kv(k_BTKd, v_BTKd)
         if c == 1:

@@ -59,17 +59,24 @@ def _ahead(own, s, c):
     return own - (own - s) % c
 
 
-def _home(k, v, pos, seg, kv_seg, kv_pos):
+def _home(k, v, pos, seg, kv_seg, kv_pos, span=None, kv_span=None):
     """The chunk that travels: K, V and the keys' positions and segment ids (the chunk's own tokens
-    as keys: ``kv_pos``/``kv_seg`` where given, cross attention or key padding, else the queries')."""
-    return k, v, pos if kv_pos is None else kv_pos, seg if kv_seg is None else kv_seg
+    as keys: ``kv_pos``/``kv_seg`` where given, cross attention or key padding, else the queries'),
+    and their span ids when given."""
+    spans = () if span is None else (span if kv_span is None else kv_span,)
+    return k, v, pos if kv_pos is None else kv_pos, seg if kv_seg is None else kv_seg, *spans
 
 
-def _forward(q, home, pos, seg, axis_name, spec):
-    qm = bw.Meta(pos, seg)  # the chunk's tokens as queries; as keys they travel in ``home``
+def _keys(kv):
+    """The blockwise metadata of a travelling chunk (``_home``'s tuple)."""
+    return bw.Meta(kv[2], kv[3], None, kv[4] if len(kv) > 4 else None)
+
+
+def _forward(q, home, pos, seg, span, axis_name, spec):
+    qm = bw.Meta(pos, seg, None, span)  # the chunk's tokens as queries; as keys they travel in ``home``
 
     def attend(carry, kv, _):  # continues the running softmax: no second output buffer
-        out = bw.forward(q, kv[0], kv[1], qm, bw.Meta(kv[2], kv[3]), spec, state=None if carry is None else carry[:2])
+        out = bw.forward(q, kv[0], kv[1], qm, _keys(kv), spec, state=None if carry is None else carry[:2])
         if spec.max_logits and carry is not None:  # (o, lse, the rows' largest logit so far)
             out = (*out[:2], jnp.maximum(carry[2], out[2]))
         return out
@@ -77,34 +84,35 @@ def _forward(q, home, pos, seg, axis_name, spec):
     return _loop(attend, home, axis_name)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def _ring(q, k, v, pos, seg, kv_seg, kv_pos, sinks, axis_name, spec):
-    return _ring_fwd(q, k, v, pos, seg, kv_seg, kv_pos, sinks, axis_name, spec)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(10, 11))
+def _ring(q, k, v, pos, seg, kv_seg, kv_pos, span, kv_span, sinks, axis_name, spec):
+    return _ring_fwd(q, k, v, pos, seg, kv_seg, kv_pos, span, kv_span, sinks, axis_name, spec)[0]
 
 
-def _ring_fwd(q, k, v, pos, seg, kv_seg, kv_pos, sinks, axis_name, spec):
+def _ring_fwd(q, k, v, pos, seg, kv_seg, kv_pos, span, kv_span, sinks, axis_name, spec):
     # The sinks join the softmax once, after the last chunk (not once per step or device).
-    o, lse, *row_max = _forward(q, _home(k, v, pos, seg, kv_seg, kv_pos), pos, seg, axis_name, spec)
+    home = _home(k, v, pos, seg, kv_seg, kv_pos, span, kv_span)
+    o, lse, *row_max = _forward(q, home, pos, seg, span, axis_name, spec)
     o, lse = bw.fold_sinks(o, lse, sinks)
     o = o.astype(q.dtype)
-    return bw.outputs(spec, o, lse, row_max), (q, k, v, pos, seg, kv_seg, kv_pos, o, lse, sinks)
+    return bw.outputs(spec, o, lse, row_max), (q, k, v, pos, seg, kv_seg, kv_pos, span, kv_span, o, lse, sinks)
 
 
 def _ring_bwd(axis_name, spec, res, do):
-    q, k, v, pos, seg, kv_seg, kv_pos, o, lse, sinks = res
+    q, k, v, pos, seg, kv_seg, kv_pos, span, kv_span, o, lse, sinks = res
     do, delta = bw.output_cotangent(spec, do, o)
     c = lax.axis_size(axis_name)
-    qm = bw.Meta(pos, seg)
+    qm = bw.Meta(pos, seg, None, span)
 
     def grads(kv, _, dq=None):  # dq accumulates in place
-        return bw.backward(q, kv[0], kv[1], do, lse, delta, qm, bw.Meta(kv[2], kv[3]), spec, dq=dq)
+        return bw.backward(q, kv[0], kv[1], do, lse, delta, qm, _keys(kv), spec, dq=dq)
 
-    home = _home(k, v, pos, seg, kv_seg, kv_pos)
+    home = _home(k, v, pos, seg, kv_seg, kv_pos, span, kv_span)
     if c == 1:
         dq, dk, dv = grads(home, 0)
     else:
         dq, (dk, dv) = _backward_ring(grads, home, do, axis_name, c)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None,
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, None, None,
             bw.sinks_grad(sinks, lse, delta))
 
 
@@ -223,7 +231,7 @@ def ring_attention(
     q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_name: str, is_causal=False, local_window_size=None,
     scale=None, block_q: int | None = None, block_kv: int | None = None, logits_soft_cap=None, sinks=None,
     return_max_logits: bool = False, return_residual: bool = False, kv_seg_BT=None, kv_pos_BT=None,
-    kernel=_kernels.BLOCKWISE,
+    kernel=_kernels.BLOCKWISE, span_BT=None, kv_span_BT=None,
 ):
     """Attention of this device's chunk to every chunk on the ``axis_name`` ring (inside ``shard_map``).
 
@@ -244,9 +252,12 @@ def ring_attention(
                         return_max_logits=return_max_logits, return_residual=return_residual,
                         fused=_kernels.resolve(kernel).fused)
     pos = jnp.asarray(pos_BT, jnp.int32)
-    seg, kv_seg, kv_pos = (None if a is None else jnp.asarray(a, jnp.int32) for a in (seg_BT, kv_seg_BT, kv_pos_BT))
+    seg, kv_seg, kv_pos, span, kv_span = (None if a is None else jnp.asarray(a, jnp.int32)
+                                          for a in (seg_BT, kv_seg_BT, kv_pos_BT, span_BT, kv_span_BT))
+    if span is not None and spec.fused is not None:
+        raise ValueError(f"kernel={kernel!r} takes no span ids (span_ids); use kernel='blockwise'.")
     sinks = bw.varying_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos, seg)
-    return _ring(q_BTHd, k_BTKd, v_BTKd, pos, seg, kv_seg, kv_pos, sinks, axis_name, spec)
+    return _ring(q_BTHd, k_BTKd, v_BTKd, pos, seg, kv_seg, kv_pos, span, kv_span, sinks, axis_name, spec)
 
 
 
@@ -271,7 +282,7 @@ class Ring(KVExchange):
             return chosen, ""
         return chosen.ring_step(), f"the ring's steps merge log-sum-exps, which {chosen.label or chosen} does not return"
 
-    def kernel(self, spec, q_BTHd, k_BTKd, has_segments: bool):
+    def kernel(self, spec, q_BTHd, k_BTKd, has_segments: bool, spans: bool = False):
         """The kernel each ring step runs (``k_BTKd``: the chunk that travels): ``auto`` is splash on
         TPU when the call is expressible there (windows over chunks of at most
         ``_splash.MAX_WINDOW_KEYS`` keys, no max-logit statistic), pallas_gpu on GPU, blockwise
@@ -281,13 +292,13 @@ class Ring(KVExchange):
                                         dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1],
                                         soft_cap=spec.logits_soft_cap is not None,
                                         max_logits=spec.record_max_logits, residual=spec.return_residual,
-                                        kv_len=k_BTKd.shape[1])
+                                        kv_len=k_BTKd.shape[1], spans=spans)
         return self.step_kernel(chosen)[0]
 
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
         pos, seg = seq_chunk(meta.pos, (COLOSSAL,)), seq_chunk(meta.seg, (COLOSSAL,))
         kv_seg, kv_pos = seq_chunk(meta.kv_seg, (COLOSSAL,)), seq_chunk(meta.kv_pos, (COLOSSAL,))
-        step = self.kernel(spec, q_BTHd, k_BTKd, seg is not None)
+        step = self.kernel(spec, q_BTHd, k_BTKd, seg is not None, meta.span is not None)
         if step == _kernels.SPLASH:
             natural = meta.natural and normalize_window(spec.local_window_size) is None
             return splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL,
@@ -300,4 +311,5 @@ class Ring(KVExchange):
                               local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q,
                               block_kv=spec.block_kv, logits_soft_cap=spec.logits_soft_cap, sinks=sinks,
                               return_max_logits=spec.record_max_logits, return_residual=spec.return_residual,
-                              kv_seg_BT=kv_seg, kv_pos_BT=kv_pos, kernel=step)
+                              kv_seg_BT=kv_seg, kv_pos_BT=kv_pos, kernel=step,
+                              span_BT=seq_chunk(meta.span, (COLOSSAL,)), kv_span_BT=seq_chunk(meta.kv_span, (COLOSSAL,)))

@@ -26,14 +26,21 @@ class Kernel:
     label: ClassVar[str] = ""  # how a message names it, when not by ``name``
     merges_lse: ClassVar[bool] = False  # returns each row's log-sum-exp: a ring step can merge it
     fused: ClassVar[tuple | None] = None  # (forward, backward): blockwise's algorithm as this kernel's code
+    takes_spans: ClassVar[bool] = False  # bidirectional span ids (span_ids) among its mask inputs
 
     def unsupported_reason(self, **needs) -> str | None:
         """Why this kernel cannot serve a call with these ``needs`` (``None`` when it can)."""
         return None
 
+    def why_not(self, *, spans: bool = False, **needs) -> str | None:
+        """``unsupported_reason``, and span ids (``spans``) for a kernel that does not take them."""
+        if spans and not self.takes_spans:
+            return f"span ids (span_ids) are not among the {self.label or self.name} kernel's mask inputs"
+        return self.unsupported_reason(**needs)
+
     def check(self, *, platform: str, **needs) -> None:
         """``ValueError`` when an explicit choice of this kernel cannot serve the call."""
-        why = self.unsupported_reason(**needs)
+        why = self.why_not(**needs)
         if why:
             raise ValueError(f"kernel={self!r} cannot serve this call: {why}; use kernel='blockwise' or 'auto'.")
 
@@ -65,7 +72,17 @@ def register(cls):
 
 
 def resolve(kernel):
-    """The one place a kernel's name becomes its value: ``"auto"`` and values pass as they are."""
+    """The one place a kernel's name becomes its value: ``"auto"`` and values pass as they are.
+
+    Args:
+        kernel: ``"auto"``, a kernel name or a :class:`Kernel` value.
+
+    Returns:
+        The :class:`Kernel` value (or ``"auto"``).
+
+    Raises:
+        ValueError: ``kernel`` names no registered kernel.
+    """
     if isinstance(kernel, Kernel) or kernel == AUTO:
         return kernel
     if isinstance(kernel, str) and kernel in REGISTRY:

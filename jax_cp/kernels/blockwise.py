@@ -14,6 +14,7 @@ class Blockwise(Kernel):
 
     name = "blockwise"
     merges_lse = True
+    takes_spans = True
 
     def attend(self, q_BTHd, k_BSKd, v_BSKd, *, block_q=None, block_kv=None, return_max_logits=False,
                return_residual=False, natural_positions=False, **kw):

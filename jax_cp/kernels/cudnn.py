@@ -43,7 +43,15 @@ def cudnn_unsupported_reason(*, is_causal, window, has_segments, dtype, head_dim
 
 
 def cudnn_attention(q_BTHd, k_BSKd, v_BSKd, *, scale=None, **_unused_mask):
-    """Unmasked attention on cuDNN (positions are irrelevant without a mask)."""
+    """Unmasked attention on cuDNN (positions are irrelevant without a mask).
+
+    Args:
+        q_BTHd, k_BSKd, v_BSKd: the local queries, keys and values.
+        scale: the logit scale (``None``: ``d**-0.5``, jax.nn's default).
+
+    Returns:
+        ``jax.nn.dot_product_attention(..., implementation="cudnn")``'s output.
+    """
     return jax.nn.dot_product_attention(q_BTHd, k_BSKd, v_BSKd, scale=scale, implementation="cudnn")
 
 

@@ -17,11 +17,26 @@ __all__ = ["Dense", "dense_attention"]
 def dense_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     is_causal=False, local_window_size: Window = None, scale=None, logits_soft_cap=None, sinks=None,
-    return_max_logits: bool = False, return_residual: bool = False,
+    return_max_logits: bool = False, return_residual: bool = False, q_span_ids=None, kv_span_ids=None,
 ):
-    """Materialises the ``[T, S]`` scores (memory quadratic in S); float32 softmax. ``sinks [H]``
-    join each row's denominator (no value); gradients by autodiff. ``return_max_logits=True``:
-    ``(o, max_logits [H])`` and ``return_residual=True`` the log-sum-exp, as ``blockwise_attention``."""
+    """Materialises the ``[T, S]`` scores (memory quadratic in S); float32 softmax.
+
+    Gradients by autodiff.
+
+    Args:
+        q_BTHd, k_BSKd, v_BSKd: the local queries, keys and values.
+        q_positions, kv_positions: global positions of the queries and keys.
+        q_segment_ids, kv_segment_ids: document ids (or None).
+        q_span_ids, kv_span_ids: bidirectional span ids (0: none), or None: causal masks let a query
+            see the later keys of its own span.
+        is_causal, local_window_size, scale, logits_soft_cap: the mask, scale and soft cap.
+        sinks: ``[H]`` logits joining each row's denominator (no value), or None.
+        return_max_logits, return_residual: as ``blockwise_attention``.
+
+    Returns:
+        ``o``; with ``return_max_logits=True`` ``(o, max_logits [H])``, and with
+        ``return_residual=True`` the log-sum-exp too, as ``blockwise_attention``.
+    """
     B, T, H, d = q_BTHd.shape
     K = k_BSKd.shape[2]
     scale = d**-0.5 if scale is None else scale
@@ -29,8 +44,9 @@ def dense_attention(
     s = jnp.einsum("btkgd,bskd->bkgts", q_BTKGd, k_BSKd, preferred_element_type=jnp.float32) * scale
     if logits_soft_cap is not None:
         s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-    mask = visible(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                   is_causal=is_causal, window=normalize_window(local_window_size))[:, None, None]
+    mask = visible(q_positions, kv_positions, q_segment_ids, kv_segment_ids, is_causal=is_causal,
+                   window=normalize_window(local_window_size), q_span_BT=q_span_ids,
+                   kv_span_BS=kv_span_ids)[:, None, None]
     s = jnp.where(mask, s, -1e30)
     shift = s.max(-1, keepdims=True)
     if sinks is not None:
@@ -54,6 +70,7 @@ class Dense(Kernel):
     """``xla``: serves every call; a ring step runs blockwise in its place."""
 
     name = "xla"
+    takes_spans = True
 
     def ring_step(self) -> Kernel:
         return REGISTRY["blockwise"]

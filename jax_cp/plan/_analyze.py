@@ -79,7 +79,17 @@ def _quiet_libtpu():
 
 
 def get_topology(name: str):
-    """TPU topology description for ``name`` (e.g. ``"v5e:4x4"``); its ``devices`` build meshes."""
+    """TPU topology description for ``name`` (e.g. ``"v5e:4x4"``); its ``devices`` build meshes.
+
+    Args:
+        name: the topology name.
+
+    Returns:
+        libtpu's topology description (cached per name).
+
+    Raises:
+        ValueError: the chip is unknown, or libtpu does not know the topology.
+    """
     chip_for(name)  # a clear error for unknown chips before libtpu is asked
     if name not in _TOPOLOGIES:
         _allow_shared_libtpu()
@@ -166,13 +176,24 @@ def analyze_program(fn, args, *, topology: str, mesh, label: str = "program", me
                     layer: LayerShape | None = None) -> Analysis:
     """Compiles any ``fn(*args)`` for ``topology`` and analyzes it like the planner's layers.
 
-    ``args`` are ``jax.ShapeDtypeStruct``s sharded over ``mesh``, a mesh of
-    the topology's devices (``topology_mesh(topology, ...)``).
-    Use it for your own layer or training step; ``donate_argnums`` as in
-    ``jax.jit`` (a training step that donates its state: the memory peak
-    then counts the state once, not as input and output). ``layer``: when ``fn`` is one attention
-    layer of this shape, its FLOPs are also counted from the shapes, as :func:`analyze` does (the
-    compiler's count gives the splash kernels none, so without it the estimated step leaves them out).
+    Use it for your own layer or training step.
+
+    Args:
+        fn: the function to compile.
+        args: ``jax.ShapeDtypeStruct`` s sharded over ``mesh``.
+        topology: the TPU topology name.
+        mesh: a mesh of the topology's devices (``topology_mesh(topology, ...)``).
+        label: the program's name in the analysis.
+        memory_budget: bytes per device (default: the chip's HBM).
+        xla_flags: ``--name=value`` strings passed to the compile.
+        donate_argnums: as in ``jax.jit`` (a training step that donates its state: the memory
+            peak then counts the state once, not as input and output).
+        layer: when ``fn`` is one attention layer of this shape, its FLOPs are also counted from
+            the shapes, as :func:`analyze` does (the compiler's count gives the splash kernels
+            none, so without it the estimated step leaves them out).
+
+    Returns:
+        The :class:`Analysis`.
     """
     chip = chip_for(topology)
     budget = int(memory_budget or chip.device_hbm_bytes)
@@ -200,8 +221,17 @@ def topology_mesh(topology: str, *, cp_colossal: int = 1, cp_ulysses: int = 1, t
 
     Explicit axes by default, as every planner figure was measured (``make_mesh`` defaults to Auto).
 
-    Degrees the torus cannot hold are a ``ValueError`` naming them (JAX raises
-    ``NotImplementedError`` deep in its mesh utilities).
+    Args:
+        topology: the TPU topology name.
+        cp_colossal, cp_ulysses, tp, dp: as ``jax_cp.make_mesh``.
+        axis_types: as ``jax_cp.make_mesh``, but Explicit by default.
+
+    Returns:
+        The mesh.
+
+    Raises:
+        ValueError: degrees the torus cannot hold, naming them (JAX raises
+            ``NotImplementedError`` deep in its mesh utilities).
     """
     devices = get_topology(topology).devices
     c, u, t = cp_colossal, cp_ulysses, tp
@@ -286,17 +316,30 @@ def analyze(
 ) -> Report:
     """Plans one attention layer of ``model`` on ``topology`` and reports memory, collectives and overlap.
 
-    ``strategy="manual"`` compiles the given ``cp_colossal × cp_ulysses × tp``
-    (``dp`` takes the remaining devices). ``strategy="auto"`` chooses the
-    degrees, the K/V exchange, ``overlap_chunks`` and ``fused_qkv_chunks``
-    itself (the given ones are ignored): see ``Report.reasons``.
-    ``memory_budget`` is bytes per device (default: the chip's HBM). ``baseline=True`` also compiles the
-    naive fused-QKV layer for comparison. ``kernel`` defaults to ``"auto"``, what
-    ``CPAttention`` runs on the chip (splash on TPU unless a window rules it out);
-    the report names the kernel found in the scheduled program. ``xla_flags`` (``"--name=value"`` strings) are passed to each compile;
-    ``None`` means ``recommended_xla_flags("tpu", chip=...)`` for the chip.
-    ``load_balanced``: count a causal layer's work as ``jax_cp.load_balance`` spreads it (the
-    compiled program is the same; only the busiest device's FLOPs change).
+    Args:
+        topology: the TPU topology name (e.g. ``"v5e:4x4"``).
+        model: a model name (``MODELS``) or a :class:`ModelSpec`.
+        seq_len, batch: the input's size.
+        strategy: ``"manual"`` compiles the given ``cp_colossal × cp_ulysses × tp`` (``dp``
+            takes the remaining devices); ``"auto"`` chooses the degrees, the K/V exchange,
+            ``overlap_chunks`` and ``fused_qkv_chunks`` itself (the given ones are ignored):
+            see ``Report.reasons``.
+        cp_colossal, cp_ulysses, tp: the degrees (``"manual"``).
+        kv_exchange, overlap_chunks, fused_qkv_chunks: as ``CPAttention``.
+        kernel: defaults to ``"auto"``, what ``CPAttention`` runs on the chip (splash on TPU
+            unless a window rules it out); the report names the kernel found in the scheduled
+            program.
+        is_causal, dtype, param_dtype: the layer's mask and dtypes.
+        memory_budget: bytes per device (default: the chip's HBM).
+        baseline: also compile the naive fused-QKV layer for comparison.
+        candidates: how many layouts ``"auto"`` compiles.
+        xla_flags: ``"--name=value"`` strings passed to each compile; ``None`` means
+            ``recommended_xla_flags("tpu", chip=...)`` for the chip.
+        load_balanced: count a causal layer's work as ``jax_cp.load_balance`` spreads it (the
+            compiled program is the same; only the busiest device's FLOPs change).
+
+    Returns:
+        The :class:`Report`.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}.")
@@ -404,7 +447,17 @@ def _grouping(r: Report, s: LayerShape) -> str:
 
 
 def parse_layout(text: str) -> tuple[int, int, int]:
-    """``"4,1,4"`` -> ``(4, 1, 4)``: cp_colossal, cp_ulysses, tp (the command line's ``--compare``)."""
+    """``"4,1,4"`` -> ``(4, 1, 4)``: cp_colossal, cp_ulysses, tp (the command line's ``--compare``).
+
+    Args:
+        text: three comma-separated integers.
+
+    Returns:
+        ``(cp_colossal, cp_ulysses, tp)``.
+
+    Raises:
+        ValueError: ``text`` is not three integers.
+    """
     try:
         layout = tuple(int(x) for x in text.split(","))
     except ValueError:
@@ -417,11 +470,19 @@ def parse_layout(text: str) -> tuple[int, int, int]:
 def compare(*, topology: str, layouts, batch: int | None = None, **kwargs) -> Comparison:
     """Plans each ``(cp_colossal, cp_ulysses, tp)`` of ``layouts`` like ``analyze`` and says which to run.
 
-    Every layout compiles the same layer at the same global ``batch`` (default: the least common
-    multiple of the layouts' dp, so each replica holds whole sequences); ``kwargs`` as for
-    ``analyze`` (``model``, ``seq_len``, knobs, flags, ``memory_budget``), without the naive
-    baseline. The ``Comparison``'s last line is the verdict (``plan._verdict.verdict``): the lowest
-    estimated step, near-ties (within 2 %) to the least peak memory, then the fewest CP bytes.
+    Every layout compiles the same layer, without the naive baseline.
+
+    Args:
+        topology: the TPU topology name.
+        layouts: ``(cp_colossal, cp_ulysses, tp)`` tuples.
+        batch: the global batch of every layout (default: the least common multiple of the
+            layouts' dp, so each replica holds whole sequences).
+        **kwargs: as for ``analyze`` (``model``, ``seq_len``, knobs, flags, ``memory_budget``).
+
+    Returns:
+        The :class:`Comparison`; its last line is the verdict (``plan._verdict.verdict``): the
+        lowest estimated step, near-ties (within 2 %) to the least peak memory, then the fewest
+        CP bytes.
     """
     layouts = [parse_layout(x) if isinstance(x, str) else tuple(x) for x in layouts]
     if not layouts:

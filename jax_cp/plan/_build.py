@@ -28,7 +28,17 @@ X_SPEC = P(DP, CP, None)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerShape:
-    """One attention layer and its input: sizes, dtypes, and the ``CPAttention`` knobs (``.attention``)."""
+    """One attention layer and its input: sizes, dtypes, and the ``CPAttention`` knobs (``.attention``).
+
+    Attributes:
+        batch, seq_len: the input's size.
+        d_model, num_heads, num_kv_heads, head_dim: the layer's sizes.
+        dtype, param_dtype: activations' and parameters' dtypes.
+        is_causal, rope_theta: the mask and the RoPE base.
+        kernel: the local attention kernel.
+        kv_exchange: a ``jax_cp.exchanges`` name (a value is stored as its name) or ``"auto"``.
+        overlap_chunks, fused_qkv_chunks: as ``jax_cp.CPAttention``.
+    """
 
     batch: int
     seq_len: int
@@ -87,7 +97,16 @@ def _loss_grad(apply):
 
 
 def cp_layer(shape: LayerShape, mesh):
-    """Forward+backward of one ``jax_cp.CPAttention`` on ``mesh``."""
+    """Forward+backward of one ``jax_cp.CPAttention`` on ``mesh``.
+
+    Args:
+        shape: the :class:`LayerShape`.
+        mesh: the mesh.
+
+    Returns:
+        ``(fn, args)``: the loss-and-gradient function and its ``jax.ShapeDtypeStruct``
+        arguments ``(params, x)``, for :func:`analyze_program`.
+    """
     from flax import nnx
 
     from jax_cp import CPAttention
@@ -116,7 +135,15 @@ def cp_layer(shape: LayerShape, mesh):
 
 
 def naive_layer(shape: LayerShape, mesh):
-    """The baseline: ``x @ [Wq|Wk|Wv]`` in one matmul, then every collective after it."""
+    """The baseline: ``x @ [Wq|Wk|Wv]`` in one matmul, then every collective after it.
+
+    Args:
+        shape: the :class:`LayerShape`.
+        mesh: the mesh.
+
+    Returns:
+        ``(fn, args)`` as :func:`cp_layer`.
+    """
     from jax_cp._body import placed_metadata
     from jax_cp._ulysses import heads_to_seq, seq_to_heads
 

@@ -85,6 +85,14 @@ def recommended_xla_flags(platform: str = "tpu", *, chip: str | None = None) -> 
     on every generation). On GPU they enable that scheduler and pipelining of
     collectives across layers. All names were checked against jaxlib 0.10.2 /
     libtpu 0.0.52; unknown flags make XLA abort at start-up.
+
+    Args:
+        platform: ``"tpu"`` or ``"gpu"``.
+        chip: the TPU generation (``"v5e"``, ``"v5p"``, ...); ``None``: the flags safe on
+            every generation.
+
+    Returns:
+        The flags, ``--name=value`` strings.
     """
     if _check_platform(platform) == "gpu":
         return _GPU_FLAGS
@@ -97,6 +105,12 @@ def compiler_options(flags: tuple[str, ...]) -> dict[str, bool | int | str]:
     Per-compile options override the process-wide flag variable for that one
     program (libtpu honours its own flags this way too), so one process can
     compile for several chips with different flags.
+
+    Args:
+        flags: ``--name=value`` strings.
+
+    Returns:
+        ``{name: value}`` with booleans and integers parsed.
     """
     out: dict[str, bool | int | str] = {}
     for flag in flags:
@@ -127,9 +141,15 @@ def apply_recommended_flags(
 ) -> str:
     """Adds the recommended flags to ``LIBTPU_INIT_ARGS`` (TPU) or ``XLA_FLAGS`` (GPU).
 
-    Flags the user already set keep their value. Returns the new variable's
-    value. Has effect only before the backend's first compilation in this
-    process (libtpu and XLA read the variable once).
+    Flags the user already set keep their value. Has effect only before the backend's first
+    compilation in this process (libtpu and XLA read the variable once).
+
+    Args:
+        platform, chip: as :func:`recommended_xla_flags`.
+        environ: the environment to change (default ``os.environ``).
+
+    Returns:
+        The new variable's value.
     """
     env: MutableMapping[str, str] = os.environ if environ is None else environ
     name = FLAG_ENV[_check_platform(platform)]
@@ -150,7 +170,13 @@ def apply_for_this_host(environ: MutableMapping[str, str] | None = None) -> tupl
 
     TPU when the ``libtpu`` wheel is installed (the chip from ``TPU_ACCELERATOR_TYPE``;
     unknown: the flags safe on every generation), GPU when a JAX CUDA plugin is; nothing
-    when ``JAX_PLATFORMS`` names neither (e.g. ``cpu``). Returns ``(variable, value)`` or None.
+    when ``JAX_PLATFORMS`` names neither (e.g. ``cpu``).
+
+    Args:
+        environ: the environment to read and change (default ``os.environ``).
+
+    Returns:
+        ``(variable, value)``, or None when nothing was applied.
     """
     env: MutableMapping[str, str] = os.environ if environ is None else environ
     wanted = env.get("JAX_PLATFORMS", "").lower()

@@ -54,7 +54,23 @@ _COMPUTE_OPS = ("convolution", "dot", "ragged-dot")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Collective:
-    """One collective of the schedule, per device."""
+    """One collective of the schedule, per device.
+
+    Attributes:
+        name: the instruction's name.
+        kind: one of ``COLLECTIVE_KINDS``.
+        axes: the mesh axes it runs over.
+        group_size: devices per replica group.
+        bytes: the larger of its input and output buffers.
+        phase: ``"fwd"`` or ``"bwd"``.
+        is_async: whether it is a start/done pair.
+        compute_inside: compute ops scheduled between start and done.
+        op_name: the JAX op it came from.
+        feeds_compute: some matmul/kernel consumes its result (directly or not).
+        in_loop: scheduled in a loop body: bytes are per iteration.
+        iterations: how often it runs: the trip counts of the loops around it (1 when not readable).
+        flops_inside: FLOPs of the matmuls between start and done; ``None``: a kernel is among them.
+    """
 
     name: str
     kind: str
@@ -94,7 +110,12 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Schedule:
-    """Every collective of a compiled module, in schedule order."""
+    """Every collective of a compiled module, in schedule order.
+
+    Attributes:
+        collectives: the collectives (:class:`Collective`), in schedule order.
+        cp_axes: the context-parallel mesh axes.
+    """
 
     collectives: tuple[Collective, ...]
     cp_axes: tuple[str, ...] = ("cp_colossal", "cp_ulysses")
@@ -392,8 +413,14 @@ def analyze_schedule(
 ) -> Schedule:
     """Finds every collective in ``text`` (scheduled HLO), its mesh axes, bytes, phase and overlap.
 
-    ``mesh_shape``/``axis_names`` describe the mesh the module was compiled
-    for; logical device ``i`` sits at ``np.unravel_index(i, mesh_shape)``.
+    Args:
+        text: the scheduled HLO text.
+        mesh_shape, axis_names: the mesh the module was compiled for; logical device ``i`` sits
+            at ``np.unravel_index(i, mesh_shape)``.
+        cp_axes: the context-parallel axes.
+
+    Returns:
+        The :class:`Schedule`.
     """
     if len(mesh_shape) != len(axis_names):
         raise ValueError(f"mesh_shape={tuple(mesh_shape)} and axis_names={tuple(axis_names)} differ in length.")
@@ -428,7 +455,15 @@ class Timeline:
 
 
 def timeline(text: str, *, mesh_shape: Sequence[int], axis_names: Sequence[str]) -> Timeline:
-    """``text`` (scheduled HLO) as a ``Timeline``: the steps of its entry computation in compiled order."""
+    """``text`` (scheduled HLO) as a ``Timeline``: the steps of its entry computation in compiled order.
+
+    Args:
+        text: the scheduled HLO text.
+        mesh_shape, axis_names: the mesh the module was compiled for, as :func:`analyze_schedule`.
+
+    Returns:
+        The :class:`Timeline`.
+    """
     mod = _Module(text)
     schedule = analyze_schedule(text, mesh_shape=mesh_shape, axis_names=axis_names)
     by_start = {col.name: col for col in schedule.collectives}

@@ -10,7 +10,15 @@ __all__ = ["ModelSpec", "MODELS", "model_spec"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """One attention layer's sizes: D model width, H query heads, K kv heads, d head dim."""
+    """One attention layer's sizes: D model width, H query heads, K kv heads, d head dim.
+
+    Attributes:
+        d_model: D, the model width.
+        num_heads: H, query heads.
+        num_kv_heads: K, kv heads.
+        head_dim: d, the head dim.
+        rope_theta: the RoPE base.
+    """
 
     d_model: int
     num_heads: int

@@ -16,7 +16,13 @@ __all__ = ["Memory", "Estimate", "Analysis", "Report", "Comparison", "analysis_o
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Memory:
-    """``compiled.memory_analysis()`` per device, and the budget it is checked against."""
+    """``compiled.memory_analysis()`` per device, and the budget it is checked against.
+
+    Attributes:
+        arguments, outputs, temporaries, aliased, code: bytes of each kind, per device.
+        peak: the compiler's own peak figure (0 where the backend gives none).
+        budget: the memory budget in bytes (positive).
+    """
 
     arguments: int
     outputs: int
@@ -42,7 +48,14 @@ class Memory:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Estimate:
-    """Step-time estimate (seconds) from FLOPs, bytes and published peaks. An estimate only."""
+    """Step-time estimate (seconds) from FLOPs, bytes and published peaks. An estimate only.
+
+    Attributes:
+        compute_s: FLOPs / peak bf16 FLOP/s.
+        memory_s: bytes accessed / HBM bandwidth.
+        comm_s: every collective's wire bytes / ICI bandwidth.
+        exposed_comm_s: the same for collectives with no compute scheduled inside.
+    """
 
     compute_s: float  # FLOPs / peak bf16 FLOP/s
     memory_s: float  # bytes accessed / HBM bandwidth
@@ -57,7 +70,21 @@ class Estimate:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Analysis:
-    """One compiled program: memory, FLOPs, collectives and overlap, time estimate."""
+    """One compiled program: memory, FLOPs, collectives and overlap, time estimate.
+
+    Attributes:
+        label: the program's name.
+        memory: its :class:`Memory`.
+        flops, bytes_accessed: the compiler's cost analysis.
+        schedule: its collectives (:class:`Schedule`).
+        estimate: the step-time :class:`Estimate`.
+        compile_s: compile time in seconds.
+        kernel_calls: Pallas attention kernels in the scheduled program.
+        model_flops: counted from the shapes (``plan._auto.layer_flops``), not by the compiler.
+        executed_flops: the same plus the kernels' backward recomputation.
+        peak_flops: the chip's, for the MFU estimate.
+        time_covered: fwd, bwd, both: share of CP transfer time compute covers.
+    """
 
     label: str
     memory: Memory
@@ -141,7 +168,21 @@ def analysis_of(label: str, compiled, schedule: Schedule, chip: Chip, budget: in
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Report:
-    """The planner's answer: the layout, its analysis, the naive baseline, and why (for ``auto``)."""
+    """The planner's answer: the layout, its analysis, the naive baseline, and why (for ``auto``).
+
+    Attributes:
+        topology: the topology planned for.
+        chip: its :class:`Chip`.
+        mesh_shape: the mesh's axis sizes.
+        layer: the ``LayerShape`` compiled.
+        flags: the XLA flags compiled with.
+        analysis: the layout's :class:`Analysis`.
+        baseline: the naive baseline's (or ``None``).
+        reasons: why the layout was chosen (for ``auto``).
+        defaults: why the ``"auto"`` knobs resolved as they did (empty: none was auto).
+        rule_check: this plan's overlap against what the auto rule measured (``plan._verdict.rule_check``).
+        verdict: the last line: which layout to run and why (``plan._verdict.verdict``).
+    """
 
     topology: str
     chip: Chip
@@ -161,7 +202,12 @@ class Report:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Comparison:
-    """Several layouts of one layer planned alike (``plan.compare``), and which to run."""
+    """Several layouts of one layer planned alike (``plan.compare``), and which to run.
+
+    Attributes:
+        reports: one :class:`Report` per layout (at least one).
+        verdict: the :class:`Verdict` over them.
+    """
 
     reports: tuple[Report, ...]
     verdict: Verdict
@@ -245,8 +291,13 @@ def format_comparison(cmp: Comparison) -> str:
 def format_programs(programs: list[Analysis], grouped: bool = False) -> str:
     """Side-by-side figures of ``programs``, then the first one's collectives, then what the figures mean.
 
-    ``grouped``: one line per kind of collective (phase, kind, axes, bytes) with counts, for
-    programs with thousands of them (a whole model's training step).
+    Args:
+        programs: the :class:`Analysis` of each program.
+        grouped: one line per kind of collective (phase, kind, axes, bytes) with counts, for
+            programs with thousands of them (a whole model's training step).
+
+    Returns:
+        The text.
     """
     a = programs[0]
     lines = []

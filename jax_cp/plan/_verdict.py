@@ -15,7 +15,15 @@ TIE = 0.02  # estimated steps (then peak memories) within this share of the lowe
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Option:
-    """One compiled layout as the verdict weighs it; figures per device."""
+    """One compiled layout as the verdict weighs it; figures per device.
+
+    Attributes:
+        label: the layout's name.
+        step_s: estimated step time.
+        memory_bytes: peak memory.
+        cp_bytes: context-parallel collective bytes, forward + backward, loop trips counted.
+        fits: within the memory budget.
+    """
 
     label: str
     step_s: float  # estimated step time
@@ -35,6 +43,12 @@ class Verdict:
 
     ``decided_by``: ``"time"``, ``"memory"``, ``"CP bytes"`` (the ties), ``"fits"`` (the only one
     that fits), ``"single"`` (one option) or ``"nothing fits"``.
+
+    Attributes:
+        pick: the option to run (``None`` when none fits).
+        against: the one it was weighed against.
+        decided_by: what decided (above).
+        why: the figures behind it, with the pick as subject (``"est. step 39.98 ms ties ..."``).
     """
 
     pick: Option | None
@@ -78,11 +92,18 @@ def _ratio(a: Option, b: Option) -> str:
 
 
 def verdict(options, *, tie: float = TIE) -> Verdict:
-    """Which of ``options`` (``Option``s) to run, and the one line that says why.
+    """Which of ``options`` to run, and the one line that says why.
 
     Only options that fit count. The lowest estimated step wins unless others are within
     ``tie`` of it; among those, the least peak memory, and with memories within ``tie`` too,
     the fewest CP bytes (then the lower step).
+
+    Args:
+        options: the ``Option`` s to weigh.
+        tie: the share of the lowest within which figures tie.
+
+    Returns:
+        The :class:`Verdict`.
     """
     options = list(options)
     if not options:

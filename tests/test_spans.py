@@ -1,0 +1,213 @@
+"""Bidirectional spans (``span_ids``): a causal mask also lets a token see the later tokens of its
+own span (prefix-LM prompts, image tokens, block-causal video frames).
+
+Every exchange, mesh shape and kernel that takes spans is checked against a dense reference written
+here from the rule itself (not ``jax_cp._masks``), forward and gradients, on random spans: prompt
+prefixes, several spans per row, spans crossing CP chunk boundaries and ring steps, spans inside
+packed documents, on the natural, the load-balanced and the dispatched orders.
+Letters: B batch, S sequence, H query heads, K kv heads, d head dim.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_cp
+from jax_cp import exchanges, kernels, load_balance, reference
+from test_dispatch import packed
+from util import assert_close, assert_matches, random_qkv
+
+B, S, H, d = 2, 64, 8, 8
+
+
+def random_spans(rng, seg_BS, n_max=3):
+    """``[B, S]`` span ids: per row a prompt prefix (maybe) and up to ``n_max`` more spans at random
+    places and lengths (across documents and chunk boundaries too); 0 elsewhere."""
+    span = np.zeros(seg_BS.shape, np.int32)
+    for b in range(seg_BS.shape[0]):
+        if rng.random() < 0.5:
+            span[b, :rng.integers(2, seg_BS.shape[1] // 3)] = 1
+        for i in range(rng.integers(1, n_max + 1)):
+            start = rng.integers(0, seg_BS.shape[1] - 2)
+            span[b, start:start + rng.integers(2, seg_BS.shape[1] // 2)] = i + 2
+    return span
+
+
+def mask_np(pos, seg, span, *, is_causal=True, window=None):
+    """``[B, S, S]``: the rule, written from the issue's words. q sees k iff same segment (ids >= 0),
+    inside the window, and (not causal, or pos_k <= pos_q, or span_q == span_k != 0)."""
+    qp, kp = pos[:, :, None], pos[:, None, :]
+    m = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] >= 0) & (seg[:, :, None] >= 0)
+    if window is not None:
+        m &= (kp >= qp - window[0]) & (kp <= qp + window[1])
+    if is_causal:
+        m &= (kp <= qp) | ((span[:, :, None] == span[:, None, :]) & (span[:, :, None] != 0))
+    return m
+
+
+def dense_reference(q, k, v, mask_BSS, scale=None):
+    """Softmax attention over the given ``[B, S, S]`` mask; rows that see nothing output zeros."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    s = jnp.einsum("bthd,bshd->bhts", q, k) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    m = jnp.asarray(mask_BSS)[:, None]
+    s = jnp.where(m, s, -1e30)
+    shift = jax.lax.stop_gradient(s.max(-1, keepdims=True))
+    p = jnp.exp(s - jnp.where(shift < -1e29, 0.0, shift)) * m
+    p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+    return jnp.einsum("bhts,bshd->bthd", p, v)
+
+
+def _packed_rows(seed):
+    rng = np.random.default_rng(seed)
+    seg, pos = packed(rng, "lognormal", 24.0, B, S, pad=True)
+    return seg, pos, random_spans(rng, seg)
+
+
+# (cp_colossal, cp_ulysses, tp) x exchange x kv heads x window: Ulysses, Colossal, hybrid, tp; GQA.
+CASES = [((1, 4, 2), "all_gather", 8, None), ((8, 1, 1), "all_gather", 2, None), ((4, 1, 2), "all_to_all", 2, None),
+         ((4, 2, 1), "ring", 2, None), ((2, 2, 2), "ring", 4, (12, 3)), ((2, 4, 1), "all_to_all", 8, (9, 9)),
+         ((8, 1, 1), "ring", 1, (20, 4))]
+
+
+@pytest.mark.parametrize("cut,exchange,K,window", CASES)
+def test_spans_on_every_exchange_match_the_rule(cut, exchange, K, window):
+    c, u, t = cut
+    mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
+    seg, pos, span = _packed_rows(seed=c * 10 + u + t)
+    q, k, v, ct = random_qkv(B, S, H, K, d, seed=c + u)
+    m = mask_np(pos, seg, span, window=window)
+    assert (m & ~mask_np(pos, seg, np.zeros_like(span), window=window)).any(), "the spans must change the mask"
+    f = lambda q, k, v: jax_cp.dot_product_attention(
+        q, k, v, mesh=mesh, is_causal=True, positions=pos, segment_ids=seg, span_ids=span,
+        local_window_size=window, kv_exchange=exchange)
+    assert_matches(f, lambda q, k, v: dense_reference(q, k, v, m), (q, k, v), ct, jnp.float32,
+                   f"{cut} {exchange} {K=} {window=}")
+
+
+@pytest.mark.parametrize("order", ["balanced", "dispatch"])
+def test_spans_travel_with_the_tokens_on_a_reordered_sequence(order):
+    mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
+    seg, pos, span = _packed_rows(seed=7)
+    q, k, v, ct = random_qkv(B, S, H, 2, d, seed=3)
+    m = mask_np(pos, seg, span)
+
+    def f(q, k, v):
+        def attend(tree, positions):  # the tree's own per-document positions, reordered with it
+            q, k, v, seg, span, doc_pos = tree
+            return jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, positions=doc_pos,
+                                                segment_ids=seg, span_ids=span, kv_exchange="ring")
+        d_or_mesh = load_balance.plan(seg, mesh, positions=pos) if order == "dispatch" else mesh
+        return load_balance.balanced(attend, d_or_mesh)((q, k, v, jnp.asarray(seg), jnp.asarray(span),
+                                                         jnp.asarray(pos)))
+
+    assert_matches(f, lambda q, k, v: dense_reference(q, k, v, m), (q, k, v), ct, jnp.float32, order)
+
+
+def test_the_kernels_that_take_spans_skip_blocks_exactly():
+    """Small blocks on both kernels that take spans: a span above the diagonal keeps its block."""
+    rng = np.random.default_rng(5)
+    seg, pos, span = _packed_rows(seed=11)
+    q, k, v, ct = random_qkv(B, S, H, 2, d, seed=9)
+    m = mask_np(pos, seg, span)
+    for kernel, blocks in ((kernels.BLOCKWISE, dict(block_q=8, block_kv=8)), (kernels.DENSE, {})):
+        f = lambda q, k, v: kernels.local_attention(
+            q, k, v, kernel=kernel, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
+            is_causal=True, q_span_ids=span, kv_span_ids=span, **blocks)
+        assert_matches(f, lambda q, k, v: dense_reference(q, k, v, m), (q, k, v), ct, jnp.float32, str(kernel))
+    assert rng is not None
+
+
+def test_kernels_without_spans_say_so_and_auto_takes_blockwise():
+    for kernel in (kernels.SPLASH, kernels.PALLAS_GPU, kernels.CUDNN):
+        with pytest.raises(ValueError, match=r"span ids \(span_ids\) are not among the .* mask inputs"):
+            kernels.select_kernel(kernel, platform="tpu" if kernel == kernels.SPLASH else "gpu", is_causal=True,
+                                  window=None, has_segments=False, dtype=jnp.bfloat16, head_dim=128, spans=True)
+    for platform in ("tpu", "gpu", "cpu"):
+        described = jax_cp.describe_kernel(platform=platform, is_causal=True, spans=True)
+        assert described.startswith("blockwise (auto on"), described
+    assert "span ids" in jax_cp.describe_kernel(platform="tpu", is_causal=True, spans=True)
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    q, k, v, _ = random_qkv(B, S, H, 2, d)
+    with pytest.raises(ValueError, match="span ids"):
+        jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, span_ids=np.ones((B, S), np.int32),
+                                     kernel="pallas_gpu")
+
+
+def test_bad_span_arguments_are_value_errors():
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    q, k, v, _ = random_qkv(B, S, H, 2, d)
+    with pytest.raises(ValueError, match=r"span_ids.shape=\(3,\) must be"):
+        jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, span_ids=np.ones(3, np.int32))
+    with pytest.raises(ValueError, match="span_ids.dtype=float32 must be an integer dtype"):
+        jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, span_ids=np.ones((B, S), np.float32))
+    with pytest.raises(ValueError, match="kv_span_ids is given but span_ids is not"):
+        jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, kv_span_ids=np.ones((B, S), np.int32))
+    k2, v2 = k[:, :32], v[:, :32]
+    with pytest.raises(ValueError, match=r"pass kv_span_ids= of shape \(batch, 32\) too"):
+        jax_cp.dot_product_attention(q, k2, v2, mesh=mesh, span_ids=np.ones((B, S), np.int32))
+    ex = exchanges.Attended(block=8, sizes=(1,))
+    with pytest.raises(ValueError, match="does not take span_ids"):
+        jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, span_ids=np.ones((B, S), np.int32),
+                                     kv_exchange=ex)
+
+
+def test_cross_attention_takes_the_keys_spans():
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    q, _, _, ct = random_qkv(B, S, H, 2, d, seed=1)
+    _, k, v, _ = random_qkv(B, 32, H, 2, d, seed=2)
+    rng = np.random.default_rng(0)
+    span, kv_span = rng.integers(0, 3, (B, S)).astype(np.int32), rng.integers(0, 3, (B, 32)).astype(np.int32)
+    kv_pos = np.broadcast_to(np.arange(0, 64, 2, dtype=np.int32), (B, 32))
+    f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, span_ids=span,
+                                                     kv_span_ids=kv_span, kv_positions=kv_pos)
+    r = lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=True, span_ids=span, kv_span_ids=kv_span,
+                                                        kv_positions=kv_pos)
+    assert_matches(f, r, (q, k, v), ct, jnp.float32, "cross attention with spans")
+    qp, kp = np.arange(S)[None, :, None], kv_pos[:, None, :]
+    m = (kp <= qp) | ((span[:, :, None] == kv_span[:, None, :]) & (span[:, :, None] != 0))
+    assert_close(r(q, k, v), dense_reference(q, k, v, m), jnp.float32, "the reference follows the rule")
+
+
+@pytest.mark.parametrize("face", ["nnx", "linen"])
+def test_the_modules_take_spans(face):
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    x = jax.random.normal(jax.random.key(1), (B, 32, 32))
+    seg, pos, span = _packed_rows(seed=2)
+    seg, pos, span = seg[:, :32], pos[:, :32], span[:, :32]
+    ref = reference.Attention(4, 32, num_kv_heads=2, is_causal=True, rope_theta=1e4, rngs=nnx.Rngs(0))
+    want = ref(x, positions=pos, segment_ids=seg, span_ids=span)
+    if face == "nnx":
+        layer = jax_cp.CPAttention(4, 32, num_kv_heads=2, mesh=mesh, is_causal=True, rope_theta=1e4, rngs=nnx.Rngs(0))
+        got = layer(x, positions=pos, segment_ids=seg, span_ids=span)
+    else:
+        layer = jax_cp.linen.CPAttention(num_heads=4, in_features=32, num_kv_heads=2, mesh=mesh, is_causal=True,
+                                         rope_theta=1e4)
+        variables = layer.init(jax.random.key(0), x)
+        variables = jax.tree.map(lambda a: a, variables)
+        params = {n: getattr(ref, n)[...] for n in jax_cp.param_shapes(ref.spec)}
+        variables = {"params": {**variables["params"], **params}}
+        got = layer.apply(variables, x, positions=pos, segment_ids=seg, span_ids=span)
+    assert_close(got, want, jnp.float32, face)
+    assert not np.allclose(np.asarray(want), np.asarray(ref(x, positions=pos, segment_ids=seg)), atol=1e-3)
+
+
+def test_prefill_with_spans_then_decode_equals_the_full_forward():
+    """A prompt with a bidirectional prefix and an image span; decode continues causally (span 0)."""
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    Bp, L, P, D = 2, 32, 24, 32
+    x = jax.random.normal(jax.random.key(1), (Bp, L, D))
+    span = np.zeros((Bp, L), np.int32)
+    span[:, :6] = 1  # prefix-LM prompt
+    span[0, 10:18] = 2  # an image inside the prompt
+    span[1, 12:24] = 3  # an image that ends with the prompt
+    attn = jax_cp.CPAttention(4, D, mesh=mesh, is_causal=True, rope_theta=1e4, rngs=nnx.Rngs(0))
+    ref = reference.Attention(4, D, is_causal=True, rope_theta=1e4, rngs=nnx.Rngs(0))
+    full = ref(x, span_ids=span)
+    attn.init_cache((Bp, L))
+    assert_close(attn(x[:, :P], prefill=True, span_ids=span[:, :P]), full[:, :P], jnp.float32, "prefill")
+    for t in range(P, L):
+        assert_close(attn(x[:, t:t + 1], decode=True)[:, 0], full[:, t], jnp.float32, f"decode {t}")
+    with pytest.raises(ValueError, match="pass span_ids to the prefill call"):
+        attn(x[:, :1], decode=True, span_ids=span[:, :1])
