@@ -112,6 +112,25 @@ def pack(stream: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.n
     return dict(tokens=tokens, labels=labels, positions=positions, segment_ids=segment_ids, weights=weights)
 
 
+def prefix_lm(fields: dict[str, np.ndarray], fraction: float) -> dict[str, np.ndarray]:
+    """``fields`` (:func:`pack`'s) for a prefix-LM objective: the first ``fraction`` of each document in a
+    row (at least one token) becomes a bidirectional prompt prefix, one span id per document
+    (``span_ids``: segment id + 1 there, 0 elsewhere, ``jax_cp``'s ``span_ids=``), and the loss skips
+    the labels inside it (``weights`` 0 where the next token is still in the prefix)."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"fraction={fraction} must be in (0, 1): the share of each document that is prompt.")
+    seg, pos = fields["segment_ids"], fields["positions"]
+    span = np.zeros_like(seg)
+    for b in range(seg.shape[0]):
+        _, inverse, sizes = np.unique(seg[b], return_inverse=True, return_counts=True)
+        prefix = np.maximum(1, (fraction * sizes[inverse]).astype(np.int64))  # each token's document's prefix
+        span[b] = np.where(pos[b] < prefix, seg[b] + 1, 0)
+    in_prefix_next = np.concatenate([span[:, 1:] != 0, np.zeros_like(span[:, :1], bool)], axis=1)
+    same_doc_next = np.concatenate([seg[:, 1:] == seg[:, :-1], np.zeros_like(seg[:, :1], bool)], axis=1)
+    weights = np.where(in_prefix_next & same_doc_next, 0.0, fields["weights"]).astype(np.float32)
+    return {**fields, "span_ids": span.astype(np.int32), "weights": weights}
+
+
 class Windows:
     """Deterministic windows of a stream: sample ``g`` -> a start offset.
 

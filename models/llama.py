@@ -208,9 +208,13 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, mesh=mesh, sharding=sharding)
         self.mlp = MLP(cfg, mesh=mesh, sharding=sharding, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS, infer: dict | None = None, sharding=None):
-        """``infer``: the attention's ``prefill``/``decode``/``lengths`` (inference), else training."""
-        a = self.attn(self.attn_norm(x_BSD), positions=positions_BS, segment_ids=segment_ids_BS, **(infer or {}))
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, infer: dict | None = None, sharding=None,
+                 span_ids_BS=None):
+        """``infer``: the attention's ``prefill``/``decode``/``lengths`` (inference), else training;
+        ``span_ids_BS``: bidirectional spans (a prefix-LM prompt), or None."""
+        spans = {} if span_ids_BS is None else {"span_ids": span_ids_BS}
+        a = self.attn(self.attn_norm(x_BSD), positions=positions_BS, segment_ids=segment_ids_BS, **spans,
+                      **(infer or {}))
         x_BSD = x_BSD + a.astype(x_BSD.dtype)
         return x_BSD + self.mlp(self.mlp_norm(x_BSD), sharding).astype(x_BSD.dtype)
 
@@ -256,20 +260,20 @@ class Llama(nnx.Module):
             block.attn.init_cache((batch_size, max_length), dtype or self.dtype)
 
     def __call__(self, tokens_BS, *, positions=None, segment_ids=None, prefill: bool = False, decode: bool = False,
-                 lengths=None):
+                 lengths=None, span_ids=None):
         m = self.mesh
         sh = self.sharding.decoding() if decode and not prefill else self.sharding
         infer = dict(prefill=True, lengths=lengths) if prefill else dict(decode=True) if decode else None
         embed_VD = _weight(self.embed, m, jnp.float32)
         x_BSD = jax_cp.place(jnp.take(embed_VD, tokens_BS, axis=0), m, sh.x_BSD)
 
-        def apply(block, x, pos, seg):
-            return jax_cp.place(block(x, pos, seg, infer, sh), m, sh.x_BSD)
+        def apply(block, x, pos, seg, span):
+            return jax_cp.place(block(x, pos, seg, infer, sh, span), m, sh.x_BSD)
 
         if self.remat and infer is None:
             apply = nnx.remat(apply)
         for block in self.blocks:
-            x_BSD = apply(block, x_BSD, positions, segment_ids)
+            x_BSD = apply(block, x_BSD, positions, segment_ids, span_ids)
         h_BSD = self.final_norm(x_BSD).astype(self.dtype)
         if self.cfg.tie_embeddings:
             w_DV = _weight(self.embed, m, self.dtype).T
@@ -283,9 +287,11 @@ def next_token_loss(model: Llama, batch: dict) -> tuple[jax.Array, jax.Array]:
     """Mean cross entropy over the tokens with ``weights`` 1, and that token count.
 
     ``batch`` holds ``[B, S]`` arrays ``tokens``, ``labels``, ``positions``,
-    ``segment_ids`` and ``weights`` (0 where the label belongs to another document).
+    ``segment_ids`` and ``weights`` (0 where the label belongs to another document), and ``span_ids``
+    for a prefix-LM objective (``data.prefix_lm``).
     """
-    logits = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+    logits = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                   span_ids=batch.get("span_ids"))
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll_BS = -jnp.take_along_axis(logp, batch["labels"][..., None].astype(jnp.int32), axis=-1)[..., 0]
     w = batch["weights"].astype(jnp.float32)

@@ -82,6 +82,7 @@ class TrainConfig:
     balance: str = "dispatch"  # with load_balance: one of BALANCES
     logits_soft_cap: float | None = None  # every attention layer: logits -> c * tanh(logits / c)
     use_sinks: bool = False  # every attention layer: a learned sink logit per query head
+    prefix_lm: float | None = None  # a prefix-LM objective: this share of each document is a bidirectional prompt
     remat: bool = False
     data: str | None = None
     checkpoint_dir: str | None = None
@@ -119,6 +120,9 @@ class TrainConfig:
             raise ValueError(f"--lr={self.lr} must be > 0.")
         if self.logits_soft_cap is not None and not self.logits_soft_cap > 0:
             raise ValueError(f"--logits-soft-cap={self.logits_soft_cap} must be > 0 (or left out: no cap).")
+        if self.prefix_lm is not None and not 0 < self.prefix_lm < 1:
+            raise ValueError(f"--prefix-lm={self.prefix_lm} must be in (0, 1): the share of each document that is "
+                             "the bidirectional prompt (or left out: plain next-token training).")
         if self.balance not in BALANCES:
             raise ValueError(f"--balance={self.balance!r} must be one of {BALANCES}.")
         if self.model not in CONFIGS:
@@ -203,6 +207,9 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logits-soft-cap", type=float, default=d.logits_soft_cap,
                    help="cap every attention logit to c*tanh(logits/c) (Gemma 2 style)")
     g.add_argument("--use-sinks", action="store_true", help="a learned sink logit per query head (GPT-OSS style)")
+    g.add_argument("--prefix-lm", type=float, default=d.prefix_lm, metavar="FRACTION",
+                   help="prefix-LM objective: the first FRACTION of each document is a bidirectional prompt "
+                        "(jax_cp span_ids) and its labels are not trained")
     g = p.add_argument_group("data, checkpoints, logs")
     g.add_argument("--data", help="text file or folder (default: this Python's standard library)")
     g.add_argument("--seed", type=int, default=d.seed)
@@ -279,6 +286,7 @@ class Setup:
     balance: str | None  # the order of the batches: one of BALANCES, or None (natural)
     dual_chunk: np.ndarray | None  # the dual-chunk order [S] (natural index at each slot), where cp_colossal > 1
     batch_sharding: NamedSharding
+    prefix_lm: float | None = None  # the prefix-LM share of each document (TrainConfig.prefix_lm), or None
 
 
 def setup(cfg: TrainConfig, devices=None) -> Setup:
@@ -305,7 +313,8 @@ def setup(cfg: TrainConfig, devices=None) -> Setup:
     dual_chunk = None
     if dims.c > 1 and cfg.seq_len % (2 * dims.c) == 0:
         dual_chunk = np.asarray(load_balance.positions(cfg.seq_len, mesh))  # natural index of each balanced slot
-    return Setup(mesh, train_windows, eval_windows, balance, dual_chunk, NamedSharding(mesh, Sharding().tokens_BS))
+    return Setup(mesh, train_windows, eval_windows, balance, dual_chunk, NamedSharding(mesh, Sharding().tokens_BS),
+                 cfg.prefix_lm)
 
 
 def global_batch(s: Setup, windows: data_lib.Windows, step: int, batch: int) -> tuple[dict, dict]:
@@ -320,6 +329,8 @@ def global_batch(s: Setup, windows: data_lib.Windows, step: int, batch: int) -> 
     dims = jax_cp.mesh_dims(s.mesh)
     rows = data_lib.process_rows(s.batch_sharding, batch, windows.seq_len)
     local = windows.rows(step, batch, rows)
+    if s.prefix_lm:
+        local = data_lib.prefix_lm(local, s.prefix_lm)
     held = dataclasses.replace(dims, dp=len(rows) * dims.dp // batch)  # this process's dp shards
     measure = lambda balanced: load_balance.fixed(local["segment_ids"], held, balanced=balanced,
                                                   positions=local["positions"]).imbalance()

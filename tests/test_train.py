@@ -195,6 +195,34 @@ def test_pack_positions_segments_weights():
     assert tuple(f) == data_lib.FIELDS and {k: v.dtype for k, v in f.items()} == data_lib.FIELD_DTYPES
 
 
+def test_prefix_lm_spans_and_weights():
+    """Each document's first quarter (at least one token) is its prompt: one span id per document, and
+    no loss on a label that is still prompt."""
+    stream = np.array([1, 2, 3, 4, 5, 6, 7, data_lib.EOD, 8, 9, 10, data_lib.EOD, 11], np.uint16)
+    f = data_lib.prefix_lm(data_lib.pack(stream, np.array([0]), 12), 0.25)
+    np.testing.assert_array_equal(f["segment_ids"][0], [1] * 8 + [2] * 4)
+    np.testing.assert_array_equal(f["span_ids"][0], [2, 2, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0])
+    np.testing.assert_array_equal(f["weights"][0], [0, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 0])  # EOD: 0 as before
+    with pytest.raises(ValueError, match=r"fraction=1.5 must be in \(0, 1\)"):
+        data_lib.prefix_lm(f, 1.5)
+
+
+@needs_devices(8)
+def test_prefix_lm_trains_like_one_device(short_docs, tmp_path):
+    """``--prefix-lm``: on a (2,2,2) mesh in the dispatch order (span ids reordered with the tokens)
+    the losses equal one device's, and differ from plain next-token training."""
+    common = dict(model="tiny", seq_len=64, batch=2, steps=3, warmup=1, dtype="float32", data=str(short_docs),
+                  checkpoint_every=0, eval_batches=0, progress=False)
+    cp = train.run(train.TrainConfig(cp_colossal=2, cp_ulysses=2, tp=2, prefix_lm=0.3, out=str(tmp_path / "cp"),
+                                     **common))
+    one = train.run(train.TrainConfig(prefix_lm=0.3, out=str(tmp_path / "one"), **common), devices=jax.devices()[:1])
+    plain = train.run(train.TrainConfig(out=str(tmp_path / "plain"), **common), devices=jax.devices()[:1])
+    steps = sorted(one["losses"])
+    np.testing.assert_allclose([cp["losses"][s] for s in steps], [one["losses"][s] for s in steps],
+                               **TOL[jnp.dtype(jnp.float32)])
+    assert abs(plain["losses"][1] - one["losses"][1]) > 1e-3
+
+
 @needs_devices(8)
 def test_global_batch_is_the_balanced_order_of_the_windows(corpus):
     """Per-process assembly gives the load-balanced order of the same rows; the order depends on seed and step."""
@@ -434,6 +462,7 @@ def test_a_dead_process_fails_the_other(corpus, cache_env, tmp_path):
                                               r"in this one process and trains nothing; drop --devices, --resume"),
     (["--plan", "v5e:2x4", "--resume"], r"--plan v5e:2x4 compiles one step .* drop --devices, --resume"),
     (["--logits-soft-cap", "0"], r"--logits-soft-cap=0.0 must be > 0 \(or left out: no cap\)"),
+    (["--prefix-lm", "1"], r"--prefix-lm=1.0 must be in \(0, 1\)"),
     (["--balance", "zigzag"], r"argument --balance: invalid choice: 'zigzag' \(choose from '?dispatch'?, "
                               r"'?dual-chunk'?\)"),
     (["--fsdp", "--fsdp-axes", "dp,tp"], r"--fsdp-axes=dp,tp: fsdp_axes=\('dp', 'tp'\) must be distinct names among "
