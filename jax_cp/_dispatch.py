@@ -131,7 +131,7 @@ jax.tree_util.register_dataclass(Dispatch, data_fields=["perm", "inverse", "posi
 
 
 def plan(segment_ids, mesh, *, positions=None, is_causal: bool = True, local_window_size=None,
-         chunks_per_rank: int = CHUNKS_PER_RANK) -> Dispatch:
+         chunks_per_rank: int = CHUNKS_PER_RANK, span_ids=None) -> Dispatch:
     """Plans the order of a batch so each CP device sees the same visible-pair area.
 
     Each row is cut into ``N = c*k`` chunks of ``S/N`` tokens (``c = |cp_colossal|``; ``k`` the
@@ -157,6 +157,8 @@ def plan(segment_ids, mesh, *, positions=None, is_causal: bool = True, local_win
         they share a segment id ``>= 0``, ``pos_k <= pos_q`` when causal, and
         ``pos_q - left <= pos_k <= pos_q + right`` for a window ``(left, right)`` (``w``: ``(w, w)``).
       chunks_per_rank: chunks per colossal rank and row (an even number; default 8).
+      span_ids: ``[B, S]`` bidirectional span ids (0: none), as attention takes them: a causal
+        query also sees the later keys of its own span, and the plan balances those pairs too.
 
     Returns:
       The :class:`Dispatch`.
@@ -170,6 +172,8 @@ def plan(segment_ids, mesh, *, positions=None, is_causal: bool = True, local_win
     S = seg_BS.shape[1]
     k = _chunks_per_rank(S, dims.c, chunks_per_rank)
     counts_BS, doc_BS, dual_B = _rows(seg_BS, pos_BS, is_causal, window)
+    if span_ids is not None and is_causal:
+        counts_BS, dual_B = counts_BS + _span_counts(span_ids, doc_BS, pos_BS, window), np.zeros_like(dual_B)
     best = None
     for _ in range(_REFINEMENTS + 1):  # finer chunks only where the coarse ones leave a rank > 2% over the mean
         d = _dispatch(_chunk_order(counts_BS, doc_BS, dual_B, dims, k), counts_BS, pos_BS, dims, seg_BS,
@@ -267,6 +271,33 @@ def _rows(seg_BS, pos_BS, is_causal: bool, window: Window):
     counts_BS, doc_BS = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
     consecutive_B = np.ones(B, bool) if pos_BS is None else np.all(np.diff(pos_BS, axis=1) == 1, axis=1)
     return counts_BS, doc_BS, is_causal & np.all(doc_BS == 0, axis=1) & consecutive_B
+
+
+def _span_counts(span_ids, doc_BS, pos_BS, window: Window) -> np.ndarray:
+    """``[B, S]``: the keys each causal query sees beyond the causal ones: those of its document and
+    span (id != 0) at later positions (within the window's right side)."""
+    span = np.asarray(span_ids)
+    if span.shape != doc_BS.shape or not np.issubdtype(span.dtype, np.integer):
+        raise ValueError(f"span_ids (shape={span.shape}, dtype={span.dtype}) must be integers of shape "
+                         f"(batch, seq_len)={doc_BS.shape}, like segment_ids.")
+    pos = np.broadcast_to(np.arange(doc_BS.shape[1]), doc_BS.shape) if pos_BS is None else pos_BS
+    extra = np.zeros(doc_BS.shape, np.int64)
+    right = None if window is None else window[1]
+    for b in range(doc_BS.shape[0]):
+        idx = np.flatnonzero((span[b] != 0) & (doc_BS[b] >= 0))
+        if not idx.size:
+            continue
+        order = np.lexsort((pos[b, idx], span[b, idx], doc_BS[b, idx]))  # by document, span, position
+        group = np.stack([doc_BS[b, idx], span[b, idx]], axis=1)[order]
+        p = pos[b, idx][order].astype(np.int64)
+        new = np.concatenate([[True], np.any(group[1:] != group[:-1], axis=1)])
+        gid = np.cumsum(new) - 1
+        span_len = int(p.max() - p.min()) + 2 + (right or 0)  # groups' keys never overlap, window included
+        key = gid * span_len + (p - p.min())  # ascending: one run per (document, span)
+        after = np.searchsorted(key, key, "right")  # the first key past the query's own position
+        end = np.searchsorted(gid, gid, "right") if right is None else np.searchsorted(key, key + right, "right")
+        extra[b, idx[order]] = end - after
+    return extra
 
 
 def _documents(seg_S: np.ndarray) -> np.ndarray:

@@ -228,6 +228,8 @@ def plan_rows(local: dict[str, np.ndarray], mesh, rows: np.ndarray, batch: int) 
         raise ValueError(f"rows={rows.tolist()} are not whole dp shards of {per_shard} rows (batch={batch}, "
                          f"dp={dims.dp}); shard the batch axis over dp.")
     one_shard = dataclasses.replace(dims, dp=1)
+    span = local.get("span_ids")  # a prefix-LM batch: the plan balances the pairs its spans add
     return [load_balance.plan(local["segment_ids"][r : r + per_shard], one_shard,
-                              positions=local["positions"][r : r + per_shard])
+                              positions=local["positions"][r : r + per_shard],
+                              span_ids=None if span is None else span[r : r + per_shard])
             for r in range(0, len(rows), per_shard)]
