@@ -155,9 +155,9 @@ def test_defaults_hide_the_ulysses_layer_with_splash():
     """v5e:2x4 (1,4,2) with splash (what kernel="auto" runs on a TPU): the splash rule (2 chunks, the
     first fused) puts every CP collective of forward and backward around compute, in bytes and in
     transfer time. This needs each splash call's rows-with-a-key mask tied to its own output
-    (``_splash._splash_jit``): the two chunks' masks are equal, and untied XLA merged their selects
-    into one fusion, so chunk 0's output all-to-all waited for chunk 1's kernel and ran with nothing
-    inside it (0.83 / 0.83 here and at Llama-3-8B size)."""
+    (``_splash._splash_jit``): the two chunks' masks are equal, and untied XLA merges their selects
+    into one fusion, so chunk 0's output all-to-all would wait for chunk 1's kernel with nothing
+    inside it."""
     pytest.importorskip("libtpu", reason="the TPU schedule comes from the libtpu wheel's compiler")
     r, cp, overlap = _overlaps((1, 4, 2), kernel="auto")
     assert r.analysis.kernel.startswith("splash"), r.analysis.kernel
@@ -173,9 +173,8 @@ def test_defaults_hide_the_ulysses_layer_with_splash():
 def test_defaults_hide_the_all_gather_layout_on_v5e_and_v5p(topology, kernel):
     """(4,1,2), nothing set: K/V in one all-to-all over cp_colossal, and every CP collective of forward
     and backward, with splash on v5e (what kernel="auto" runs) and the blockwise kernel on a small v5p,
-    has compute inside, in bytes and in transfer time. (The rule before, all_gather in 2 chunks, hid
-    0.50 / 1.00 and 0.00 / 1.00 of these on jax 0.10.2; how much the plain all-gather hides here
-    depends on the JAX release, so the resolved knobs are what pins the rule.)"""
+    has compute inside, in bytes and in transfer time. (all_gather in 2 chunks hides less here, by an
+    amount that depends on the JAX release, so the resolved knobs are what pins the rule.)"""
     pytest.importorskip("libtpu", reason="the TPU schedule comes from the libtpu wheel's compiler")
     r, cp, overlap = _overlaps((4, 1, 2), topology, kernel)
     assert (r.layer.kv_exchange, r.layer.overlap_chunks, r.layer.fused_qkv_chunks) == ("all_to_all", 1, 0)
