@@ -581,8 +581,6 @@ def blockwise_attention(
     i32 = lambda a: None if a is None else jnp.asarray(a, jnp.int32)
     if (q_span_ids is None) != (kv_span_ids is None):
         raise ValueError("q_span_ids and kv_span_ids must both be given or both be None.")
-    if fused is not None and q_span_ids is not None:
-        raise ValueError("span ids are not among the fused kernel's inputs; use the blockwise kernel.")
     qm = Meta(i32(q_positions), i32(q_segment_ids), span=i32(q_span_ids))
     km = Meta(i32(kv_positions), i32(kv_segment_ids), span=i32(kv_span_ids))
     sinks = varying_sinks(sinks, q_BTHd, k_BSKd, v_BSKd, qm, km)

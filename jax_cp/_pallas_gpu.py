@@ -53,6 +53,7 @@ class _Static:
     bk: int
     G: int
     interpret: bool
+    spans: bool = False  # span ids given: two more metadata inputs (queries', keys')
 
     def params(self):
         return None if self.interpret else plgpu.CompilerParams(num_warps=4, num_stages=2)
@@ -62,10 +63,13 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _mask(qpos, qseg, kpos, kseg, spec: bw.Spec):
-    """``[Q, C]`` visibility inside a program (segments always given: padding is ``-1``)."""
+def _mask(qpos, qseg, kpos, kseg, spec: bw.Spec, qspan=None, kspan=None):
+    """``[Q, C]`` visibility inside a program (segments always given: padding is ``-1``; span ids,
+    when given, let a causal query see the later keys of its own span)."""
     mask = (qseg[:, None] == kseg[None, :]) & (kseg[None, :] >= 0)
-    if spec.is_causal:
+    if spec.is_causal and qspan is not None:
+        mask &= (kpos[None, :] <= qpos[:, None]) | ((qspan[:, None] == kspan[None, :]) & (qspan[:, None] != 0))
+    elif spec.is_causal:
         mask &= kpos[None, :] <= qpos[:, None]
     if spec.window is not None:
         left, right = spec.window
@@ -81,14 +85,22 @@ def _dot(a, b, trans_b=False):
     return plgpu.dot(a, b, trans_b=trans_b, allow_tf32=a.dtype != jnp.float32)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, o_ref, lse_ref, max_ref, *, st: _Static):
+def _spans(st: _Static, refs: tuple) -> tuple[tuple, tuple]:
+    """``(span refs, the other refs)`` of a kernel's trailing arguments: ``(qspan, kspan)`` first
+    when the call has span ids, else none."""
+    return (refs[:2], refs[2:]) if st.spans else ((), refs)
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, *refs, st: _Static):
     spec, bk = st.spec, st.bk
+    span_refs, (o_ref, lse_ref, max_ref) = _spans(st, refs)
     q, qpos, qseg = q_ref[...], qpos_ref[...], qseg_ref[...]
     bq, dv = q.shape[0], o_ref.shape[-1]
 
     def body(j, carry):
         sl = pl.ds(j * bk, bk)
-        mask = _mask(qpos, qseg, kpos_ref[sl], kseg_ref[sl], spec)
+        spans = (span_refs[0][...], span_refs[1][sl]) if span_refs else ()
+        mask = _mask(qpos, qseg, kpos_ref[sl], kseg_ref[sl], spec, *spans)
 
         def attend(carry):
             m, l, acc, mx = carry
@@ -113,15 +125,17 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, o_r
     max_ref[...] = mx
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dq_ref, *,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, *refs,
                st: _Static):
     spec, bk = st.spec, st.bk
+    span_refs, (dq_ref,) = _spans(st, refs)
     q, do, qpos, qseg = q_ref[...], do_ref[...], qpos_ref[...], qseg_ref[...]
     lse, delta = _safe_lse(lse_ref[...]), delta_ref[...]
 
     def body(j, dq):
         sl = pl.ds(j * bk, bk)
-        mask = _mask(qpos, qseg, kpos_ref[sl], kseg_ref[sl], spec)
+        spans = (span_refs[0][...], span_refs[1][sl]) if span_refs else ()
+        mask = _mask(qpos, qseg, kpos_ref[sl], kseg_ref[sl], spec, *spans)
 
         def attend(dq):
             k = k_ref[sl, :]
@@ -149,14 +163,16 @@ def _ds(q, k, v, do, lse, delta, mask, spec):
     return p * (_dot(do, v, trans_b=True) - delta[:, None]) * slope
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, dk_ref,
-                dv_ref, *, st: _Static):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, *refs,
+                st: _Static):
     spec, bq = st.spec, st.bq
+    span_refs, (dk_ref, dv_ref) = _spans(st, refs)
     k, v, kpos, kseg = k_ref[...], v_ref[...], kpos_ref[...], kseg_ref[...]
 
     def body(i, carry, g):
         sl = pl.ds(i * bq, bq)
-        mask = _mask(qpos_ref[sl], qseg_ref[sl], kpos, kseg, spec)
+        spans = (span_refs[0][sl], span_refs[1][...]) if span_refs else ()
+        mask = _mask(qpos_ref[sl], qseg_ref[sl], kpos, kseg, spec, *spans)
 
         def attend(carry):
             dk, dv = carry
@@ -201,25 +217,26 @@ def _call(kernel, st, grid, in_specs, out_specs, out_shape, name, *args):
     return tuple(bw.vary_as(o, *args) for o in out)
 
 
-def _fwd_call(st: _Static, q, k, v, qpos, kpos, qseg, kseg):
+def _fwd_call(st: _Static, q, k, v, qpos, kpos, qseg, kseg, *spans):
     B, Tp, H, d = q.shape
     Sp, dv = k.shape[1], v.shape[-1]
     rows, kv, meta_rows, meta_keys, stat = _query_block_specs(st.G, st.bq, Sp)
     return _call(_fwd_kernel, st, (B, H, Tp // st.bq), [rows(d), kv(d), kv(dv), meta_rows, meta_keys, meta_rows,
-                                                       meta_keys],
+                                                       meta_keys, *(meta_rows, meta_keys)[:len(spans)]],
                  [rows(dv), stat, stat], [_f32(B, Tp, H, dv), _f32(B, H, Tp), _f32(B, H, Tp)],
-                 "jax_cp_flash_fwd", q, k, v, qpos, kpos, qseg, kseg)
+                 "jax_cp_flash_fwd", q, k, v, qpos, kpos, qseg, kseg, *spans)
 
 
-def _bwd_call(st: _Static, q, k, v, do, lse_BHT, delta_BHT, qpos, kpos, qseg, kseg):
+def _bwd_call(st: _Static, q, k, v, do, lse_BHT, delta_BHT, qpos, kpos, qseg, kseg, *spans):
     B, Tp, H, d = q.shape
     Sp, K, dv = k.shape[1], k.shape[2], v.shape[-1]
     G, bq, bk = st.G, st.bq, st.bk
-    args = (q, k, v, do, lse_BHT, delta_BHT, qpos, kpos, qseg, kseg)
+    args = (q, k, v, do, lse_BHT, delta_BHT, qpos, kpos, qseg, kseg, *spans)
     # dQ: one query block of one head per program, over every key block.
     rows, kv, meta_rows, meta_keys, stat = _query_block_specs(G, bq, Sp)
     dq, = _call(_dq_kernel, st, (B, H, Tp // bq), [rows(d), kv(d), kv(dv), rows(dv), stat, stat, meta_rows,
-                                                   meta_keys, meta_rows, meta_keys],
+                                                   meta_keys, meta_rows, meta_keys,
+                                                   *(meta_rows, meta_keys)[:len(spans)]],
                 [rows(d)], [_f32(B, Tp, H, d)], "jax_cp_flash_dq", *args)
     # dK, dV: one key block of one kv head per program, over the group's heads and every query block.
     group = lambda dim: pl.BlockSpec((None, Tp, G, dim), lambda b, h, j: (b, 0, h, 0))
@@ -227,16 +244,16 @@ def _bwd_call(st: _Static, q, k, v, do, lse_BHT, delta_BHT, qpos, kpos, qseg, ks
     gstat = pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))
     qrows, kblock = pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0)), pl.BlockSpec((None, bk), lambda b, h, j: (b, j))
     dk, dvv = _call(_dkv_kernel, st, (B, K, Sp // bk), [group(d), block(d), block(dv), group(dv), gstat, gstat, qrows,
-                                                        kblock, qrows, kblock],
+                                                        kblock, qrows, kblock, *(qrows, kblock)[:len(spans)]],
                     [block(d), block(dv)], [_f32(B, Sp, K, d), _f32(B, Sp, K, dv)], "jax_cp_flash_dkv", *args)
     return dq, dk, dvv
 
 
-def _layout(spec: bw.Spec, q, k, interpret: bool) -> _Static:
+def _layout(spec: bw.Spec, q, k, interpret: bool, spans: bool = False) -> _Static:
     bq, bk = (spec.block_q or BLOCKS[0]), (spec.block_kv or BLOCKS[1])
     bq, bk = min(_pow2(bq), _pow2(q.shape[1])), min(_pow2(bk), _pow2(k.shape[1]))
     return _Static(spec, max(bq, 16 if not interpret else 1), max(bk, 16 if not interpret else 1),
-                   q.shape[2] // k.shape[2], interpret)
+                   q.shape[2] // k.shape[2], interpret, spans)
 
 
 def _prepare(x, length: int, width: int):
@@ -253,11 +270,18 @@ def _meta(m: bw.Meta, batch: int, length: int):
 
 
 def _padded(st: _Static, q, k, v, qm, km):
+    """Padded ``q, k, v``, the queries' and keys' positions and segment ids, then (span ids given)
+    the queries' and keys' span ids (``0`` in padding)."""
     T, S = q.shape[1], k.shape[1]
     Tp, Sp = -(-T // st.bq) * st.bq, -(-S // st.bk) * st.bk
     dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
     B = q.shape[0]
-    return (_prepare(q, Tp, dp), _prepare(k, Sp, dp), _prepare(v, Sp, dvp), *_meta(qm, B, Tp), *_meta(km, B, Sp))
+    spans = ()
+    if st.spans:
+        full = lambda a, n: bw._pad(jnp.broadcast_to(a, (B, a.shape[-1])), n)
+        spans = (full(qm.span, Tp), full(km.span, Sp))
+    return (_prepare(q, Tp, dp), _prepare(k, Sp, dp), _prepare(v, Sp, dvp), *_meta(qm, B, Tp), *_meta(km, B, Sp),
+            *spans)
 
 
 def _interpret() -> bool:
@@ -268,9 +292,9 @@ def forward(q_BTHd, k_BSKd, v_BSKd, qm: bw.Meta, km: bw.Meta, spec: bw.Spec, sta
     """As ``_blockwise.forward``: ``(o float32, lse float32[, max])``; ``state=(o, lse)`` of earlier keys
     is merged in (by log-sum-exp, after the kernel)."""
     T, dv = q_BTHd.shape[1], v_BSKd.shape[-1]
-    st = _layout(spec, q_BTHd, k_BSKd, _interpret())
-    q, k, v, qpos, qseg, kpos, kseg = _padded(st, q_BTHd, k_BSKd, v_BSKd, qm, km)
-    o, lse, mx = _fwd_call(st, q, k, v, qpos, kpos, qseg, kseg)
+    st = _layout(spec, q_BTHd, k_BSKd, _interpret(), qm.span is not None)
+    q, k, v, qpos, qseg, kpos, kseg, *spans = _padded(st, q_BTHd, k_BSKd, v_BSKd, qm, km)
+    o, lse, mx = _fwd_call(st, q, k, v, qpos, kpos, qseg, kseg, *spans)
     o, lse, mx = o[:, :T, :, :dv], jnp.swapaxes(lse, 1, 2)[:, :T], jnp.swapaxes(mx, 1, 2)[:, :T]
     if state is not None:
         o, lse = bw.merge_softmax(state, (o, lse))
@@ -280,12 +304,12 @@ def forward(q_BTHd, k_BSKd, v_BSKd, qm: bw.Meta, km: bw.Meta, spec: bw.Spec, sta
 def backward(q_BTHd, k_BSKd, v_BSKd, do_BTHd, lse_BTH, delta_BTH, qm: bw.Meta, km: bw.Meta, spec: bw.Spec, dq=None):
     """As ``_blockwise.backward``: ``(dq, dk, dv)`` float32 given the final ``lse`` and ``delta``."""
     T, S, d, dv = q_BTHd.shape[1], k_BSKd.shape[1], q_BTHd.shape[-1], v_BSKd.shape[-1]
-    st = _layout(spec, q_BTHd, k_BSKd, _interpret())
-    q, k, v, qpos, qseg, kpos, kseg = _padded(st, q_BTHd, k_BSKd, v_BSKd, qm, km)
+    st = _layout(spec, q_BTHd, k_BSKd, _interpret(), qm.span is not None)
+    q, k, v, qpos, qseg, kpos, kseg, *spans = _padded(st, q_BTHd, k_BSKd, v_BSKd, qm, km)
     Tp = q.shape[1]
     do = _prepare(do_BTHd, Tp, v.shape[-1]).astype(q.dtype)
     stat = lambda a, fill: jnp.pad(jnp.swapaxes(a, 1, 2).astype(jnp.float32), ((0, 0), (0, 0), (0, Tp - T)),
                                    constant_values=fill)
-    dq_, dk, dv_ = _bwd_call(st, q, k, v, do, stat(lse_BTH, NEG), stat(delta_BTH, 0.0), qpos, kpos, qseg, kseg)
+    dq_, dk, dv_ = _bwd_call(st, q, k, v, do, stat(lse_BTH, NEG), stat(delta_BTH, 0.0), qpos, kpos, qseg, kseg, *spans)
     dq_ = dq_[:, :T, :, :d]
     return (dq_ if dq is None else dq + dq_), dk[:, :S, :, :d], dv_[:, :S, :, :dv]

@@ -106,12 +106,13 @@ def test_spans_travel_with_the_tokens_on_a_reordered_sequence(order):
 
 
 def test_the_kernels_that_take_spans_skip_blocks_exactly():
-    """Small blocks on both kernels that take spans: a span above the diagonal keeps its block."""
+    """Small blocks on the kernels that take spans: a span above the diagonal keeps its block."""
     rng = np.random.default_rng(5)
     seg, pos, span = _packed_rows(seed=11)
     q, k, v, ct = random_qkv(B, S, H, 2, d, seed=9)
     m = mask_np(pos, seg, span)
-    for kernel, blocks in ((kernels.BLOCKWISE, dict(block_q=8, block_kv=8)), (kernels.DENSE, {})):
+    for kernel, blocks in ((kernels.BLOCKWISE, dict(block_q=8, block_kv=8)), (kernels.DENSE, {}),
+                           (kernels.PALLAS_GPU, dict(block_q=16, block_kv=16))):  # Pallas interpret mode off GPU
         f = lambda q, k, v: kernels.local_attention(
             q, k, v, kernel=kernel, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
             is_causal=True, q_span_ids=span, kv_span_ids=span, **blocks)
@@ -120,19 +121,20 @@ def test_the_kernels_that_take_spans_skip_blocks_exactly():
 
 
 def test_kernels_without_spans_say_so_and_auto_takes_blockwise():
-    for kernel in (kernels.SPLASH, kernels.PALLAS_GPU, kernels.CUDNN):
+    for kernel in (kernels.SPLASH, kernels.CUDNN):
         with pytest.raises(ValueError, match=r"span ids \(span_ids\) are not among the .* mask inputs"):
             kernels.select_kernel(kernel, platform="tpu" if kernel == kernels.SPLASH else "gpu", is_causal=True,
                                   window=None, has_segments=False, dtype=jnp.bfloat16, head_dim=128, spans=True)
-    for platform in ("tpu", "gpu", "cpu"):
+    for platform, chosen in (("tpu", "blockwise"), ("gpu", "pallas_gpu"), ("cpu", "blockwise")):
         described = jax_cp.describe_kernel(platform=platform, is_causal=True, spans=True)
-        assert described.startswith("blockwise (auto on"), described
+        assert described.startswith(f"{chosen} (auto on"), described
     assert "span ids" in jax_cp.describe_kernel(platform="tpu", is_causal=True, spans=True)
+    assert "span ids" in jax_cp.describe_kernel(platform="gpu", is_causal=True, spans=True)  # why not cuDNN
     mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
     q, k, v, _ = random_qkv(B, S, H, 2, d)
     with pytest.raises(ValueError, match="span ids"):
         jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, span_ids=np.ones((B, S), np.int32),
-                                     kernel="pallas_gpu")
+                                     kernel="splash")
 
 
 def test_bad_span_arguments_are_value_errors():
@@ -230,3 +232,15 @@ def test_the_dispatch_plan_balances_the_area_spans_add(window):
     assert work.max() / work.mean() <= 1.05, work
     with pytest.raises(ValueError, match=r"span_ids \(shape=\(3,\), dtype=int64\) must be integers of shape"):
         load_balance.plan(seg, AbstractMesh((1, 4, 1, 1), jax_cp.AXES), positions=pos, span_ids=np.ones(3, np.int64))
+
+
+def test_a_ring_of_pallas_gpu_steps_takes_spans():
+    """Each ring step as the fused Pallas GPU kernel (interpret mode off GPU), spans crossing chunks."""
+    mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
+    seg, pos, span = _packed_rows(seed=21)
+    q, k, v, ct = random_qkv(B, S, H, 2, d, seed=4)
+    m = mask_np(pos, seg, span)
+    f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, positions=pos,
+                                                     segment_ids=seg, span_ids=span, kv_exchange="ring",
+                                                     kernel="pallas_gpu", block_q=16, block_kv=16)
+    assert_matches(f, lambda q, k, v: dense_reference(q, k, v, m), (q, k, v), ct, jnp.float32, "pallas_gpu ring")

@@ -254,8 +254,6 @@ def ring_attention(
     pos = jnp.asarray(pos_BT, jnp.int32)
     seg, kv_seg, kv_pos, span, kv_span = (None if a is None else jnp.asarray(a, jnp.int32)
                                           for a in (seg_BT, kv_seg_BT, kv_pos_BT, span_BT, kv_span_BT))
-    if span is not None and spec.fused is not None:
-        raise ValueError(f"kernel={kernel!r} takes no span ids (span_ids); use kernel='blockwise'.")
     sinks = bw.varying_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos, seg)
     return _ring(q_BTHd, k_BTKd, v_BTKd, pos, seg, kv_seg, kv_pos, span, kv_span, sinks, axis_name, spec)
 

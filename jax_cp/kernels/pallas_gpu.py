@@ -15,7 +15,6 @@ class PallasGPU(Blockwise):
 
     name = "pallas_gpu"
     fused = (_pallas_gpu.forward, _pallas_gpu.backward)
-    takes_spans = False
 
     def unsupported_reason(self, *, head_dim: int, v_head_dim: int | None = None, **_) -> str | None:
         return _pallas_gpu.unsupported_reason(head_dim=head_dim, v_head_dim=v_head_dim)
