@@ -183,3 +183,19 @@ def test_the_plan_s_exchange_is_read_on_the_host():
         jax.jit(lambda d: d.kv_exchange.block)(d)
     with pytest.raises(ValueError, match=r"is_causal=1 must be True or False"):
         d.kv_exchange_for(is_causal=1)
+
+
+@pytest.mark.parametrize("window", [None, (40, 0), (16, 16)])
+def test_the_host_count_equals_the_block_rule_on_every_pair(window):
+    """``needed_from_summary`` tests only the block pairs whose ranges meet; every pair through
+    ``sees`` gives the same counts (causal and not)."""
+    rng = np.random.default_rng(3)
+    seg, pos = packed(rng, "lognormal", 30.0, 2, 512, pad=True)
+    summary = attended.block_summary(np, pos, seg, 16)
+    for causal in (True, False):
+        fast = attended.needed_from_summary(summary, 4, is_causal=causal, local_window_size=window)
+        m = attended.sees(np, summary, summary, causal, window)
+        slow = m.reshape(2, 4, 8, 4, 8).any(axis=2).sum(axis=-1)
+        slow[:, np.arange(4), np.arange(4)] = 0
+        np.testing.assert_array_equal(fast, slow)
+        assert fast.sum() > 0

@@ -270,7 +270,21 @@ def needed_from_summary(summary, c: int, *, is_causal: bool, local_window_size=N
     """:func:`needed_blocks` from the rows' block summaries (``[B, S/U]`` each, NumPy)."""
     summary = _Summary(*(np.asarray(a) for a in summary))
     B, N = summary.valid.shape[:2]
-    m = sees(np, summary, summary, is_causal, normalize_window(local_window_size))  # [B, N, N]
+    window = normalize_window(local_window_size)
+    # Block pairs whose whole segment (and causal) ranges meet first, then the exact three-part test
+    # on those only: packed rows leave a few candidates per block, not N.
+    valid = summary.valid.any(-1)
+    lo = lambda a: np.where(summary.valid, a, _BIG).min(-1)
+    hi = lambda a: np.where(summary.valid, a, -_BIG).max(-1)
+    slo, shi, plo, phi = lo(summary.seg_min), hi(summary.seg_max), lo(summary.pos_min), hi(summary.pos_max)
+    cand = valid[:, :, None] & valid[:, None, :] & (slo[:, :, None] <= shi[:, None, :]) & \
+        (slo[:, None, :] <= shi[:, :, None])
+    if is_causal:
+        cand &= plo[:, None, :] <= phi[:, :, None]
+    b, i, j = np.nonzero(cand)
+    pick = lambda idx: _Summary(*(a[b, idx][:, None] for a in summary))  # [P, 1, 3]: one block a pair
+    m = np.zeros((B, N, N), bool)
+    m[b, i, j] = sees(np, pick(i), pick(j), is_causal, window)[:, 0, 0]
     n = N // c
     counts = m.reshape(B, c, n, c, n).any(axis=2).sum(axis=-1)  # [B, receiver, sender]
     counts[:, np.arange(c), np.arange(c)] = 0
