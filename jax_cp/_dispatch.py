@@ -177,12 +177,12 @@ def plan(segment_ids, mesh, *, positions=None, is_causal: bool = True, local_win
     best = None
     for _ in range(_REFINEMENTS + 1):  # finer chunks only where the coarse ones leave a rank > 2% over the mean
         d = _dispatch(_chunk_order(counts_BS, doc_BS, dual_B, dims, k), counts_BS, pos_BS, dims, seg_BS,
-                      is_causal, window)
+                      is_causal, window, summaries=False)
         best = d if best is None or d.imbalance() < best.imbalance() else best
         k *= 2
         if best.imbalance() <= _GOOD_ENOUGH or (S // dims.c) % k:
             break
-    return best
+    return _dispatch(np.asarray(best.chunks), counts_BS, pos_BS, dims, seg_BS, is_causal, window)
 
 
 def fixed(segment_ids, mesh, *, balanced: bool = True, positions=None, is_causal: bool = True,
@@ -479,9 +479,10 @@ def _improve(owner_RN, areas_RN, load_C, first_RN, last_RN, c: int, k: int) -> n
 
 
 def _dispatch(chunks_BN: np.ndarray, counts_BS: np.ndarray, pos_BS, dims: MeshDims, seg_BS, is_causal: bool,
-              window: Window) -> Dispatch:
+              window: Window, summaries: bool = True) -> Dispatch:
     """The Dispatch of a chunk order: token permutation, its inverse, positions, pairs per rank and the
-    dispatched blocks' summaries."""
+    dispatched blocks' summaries (``summaries=False``: an empty placeholder, for a candidate order
+    that is only compared)."""
     (B, N), S = chunks_BN.shape, counts_BS.shape[1]
     L = S // N
     perm = (chunks_BN[:, :, None] * L + np.arange(L)).reshape(B, S).astype(np.int32)
@@ -492,8 +493,10 @@ def _dispatch(chunks_BN: np.ndarray, counts_BS: np.ndarray, pos_BS, dims: MeshDi
     # One block length per batch shape (the finest chunks a plan may cut), so it never splits the
     # exchange values of one run: a block never straddles two chunks of any plan of this shape.
     U = _attended.block_length(S // dims.c, S // (dims.c * CHUNKS_PER_RANK * 2 ** _REFINEMENTS))
-    summary = _attended.block_summary(np, positions, np.take_along_axis(seg_BS, perm, axis=1), U)
-    blocks = np.stack([np.asarray(a, np.int32) for a in summary], axis=-2)
+    blocks = np.zeros((B, 0, 5, 3), np.int32)
+    if summaries:
+        summary = _attended.block_summary(np, positions, np.take_along_axis(seg_BS, perm, axis=1), U)
+        blocks = np.stack([np.asarray(a, np.int32) for a in summary], axis=-2)
     arrays = [perm, inverse, positions, chunks_BN.astype(np.int32), pairs.astype(np.float64), blocks]
     for a in arrays:
         a.setflags(write=False)
