@@ -149,6 +149,11 @@ def prefill_prompt(params: dict, x_BSD, cache: dict, *, mesh, spec, dtype=None, 
     bidirectional spans (a prefix, an image); the tokens decode generates carry span 0, so decode
     continues causally. Returns ``(y, cache)``."""
     L = check_cache(cache, spec, getattr(x_BSD, "shape", (None,))[0])  # before the layer's own checks
+    if span_ids is not None and lengths is not None:  # padding joins no span: causal, nothing before it sees it
+        (B, S), pos = x_BSD.shape[:2], positions
+        ok = _check_lengths(lengths, B, S)[:, None]
+        pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) if pos is None else jnp.asarray(pos), (B, S))
+        span_ids = jnp.where(pos < ok, jnp.broadcast_to(jnp.asarray(span_ids), (B, S)), 0)
     call = layer_call(params, x_BSD, mesh=mesh, spec=spec, dtype=dtype, positions=positions,
                       segment_ids=segment_ids, local_window_size=local_window_size, span_ids=span_ids)
     B, S = call.batch, call.seq_len

@@ -186,13 +186,13 @@ def plan(segment_ids, mesh, *, positions=None, is_causal: bool = True, local_win
 
 
 def fixed(segment_ids, mesh, *, balanced: bool = True, positions=None, is_causal: bool = True,
-          local_window_size=None) -> Dispatch:
+          local_window_size=None, span_ids=None) -> Dispatch:
     """A fixed order as a :class:`Dispatch`, its work counted as :func:`plan` counts it: the dual-chunk
     order of ``load_balance.reorder`` (``balanced=True``; rank ``i`` holds chunks ``i`` and ``2c-1-i``
     of every row) or the natural order (``balanced=False``). What a plan is measured against.
 
     Args:
-      segment_ids, mesh, positions, is_causal, local_window_size: as :func:`plan`.
+      segment_ids, mesh, positions, is_causal, local_window_size, span_ids: as :func:`plan`.
       balanced: the dual-chunk order, or the natural one.
 
     Returns:
@@ -204,7 +204,9 @@ def fixed(segment_ids, mesh, *, balanced: bool = True, positions=None, is_causal
     dims = mesh if isinstance(mesh, MeshDims) else mesh_dims(mesh)
     seg_BS, pos_BS = _check_inputs(segment_ids, positions, dims)
     window = normalize_window(local_window_size)
-    counts_BS, _, _ = _rows(seg_BS, pos_BS, is_causal, window)
+    counts_BS, doc_BS, _ = _rows(seg_BS, pos_BS, is_causal, window)
+    if span_ids is not None and is_causal:
+        counts_BS = counts_BS + _span_counts(span_ids, doc_BS, pos_BS, window)
     N = 2 * dims.c
     owner = _dual_owner(N, dims.c) if balanced else np.arange(N) // 2
     chunks_BN = np.broadcast_to(np.argsort(owner, kind="stable"), (seg_BS.shape[0], N))

@@ -168,7 +168,7 @@ class AttentionSpec:
             f = min(c.fused_qkv_chunks, n) if ex.fuses_qkv else 0
         kernel, _ = choose_kernel(
             self.kernel, platform=platform, kv_exchange=ex, is_causal=self.is_causal,
-            local_window_size=self.local_window_size, has_segments=has_segments,
+            local_window_size=self.local_window_size, has_segments=has_segments or ex.supplies_segments,
             dtype=_FLOAT_OF_SIZE.get(itemsize, jnp.bfloat16) if dtype is None else jnp.dtype(dtype),
             head_dim=self.head_dim, v_head_dim=self.v_head_dim, logits_soft_cap=self.logits_soft_cap,
             use_sinks=self.use_sinks, record_max_logits=self.record_max_logits, return_residual=self.return_residual,

@@ -333,7 +333,8 @@ def global_batch(s: Setup, windows: data_lib.Windows, step: int, batch: int) -> 
         local = data_lib.prefix_lm(local, s.prefix_lm)
     held = dataclasses.replace(dims, dp=len(rows) * dims.dp // batch)  # this process's dp shards
     measure = lambda balanced: load_balance.fixed(local["segment_ids"], held, balanced=balanced,
-                                                  positions=local["positions"]).imbalance()
+                                                  positions=local["positions"],
+                                                  span_ids=local.get("span_ids")).imbalance()
     if s.balance == "dispatch":
         plans = data_lib.plan_rows(local, s.mesh, rows, batch)  # one per dp shard
         order, used = np.concatenate([d.perm for d in plans]), max(d.imbalance() for d in plans)
@@ -492,8 +493,9 @@ def plan_train_step(cfg: TrainConfig, topology: str | None = None, *, memory_bud
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, a.sharding.spec)),
                          state)
     tokens = NamedSharding(mesh, Sharding().tokens_BS)
-    batch = {k: jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), data_lib.FIELD_DTYPES[k], sharding=tokens)
-             for k in data_lib.FIELDS}
+    fields = data_lib.FIELDS + (("span_ids",) if cfg.prefix_lm else ())  # what global_batch hands the step
+    batch = {k: jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), data_lib.FIELD_DTYPES.get(k, np.int32), sharding=tokens)
+             for k in fields}
     with jax.set_mesh(mesh):  # the state is donated, as train's step does: the peak counts it once
         return plan.analyze_program(_train_step_fn(graphdef), (state, batch), topology=topology, mesh=mesh,
                                     label=f"train step {cfg.model}", memory_budget=memory_budget,

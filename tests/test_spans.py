@@ -244,3 +244,32 @@ def test_a_ring_of_pallas_gpu_steps_takes_spans():
                                                      segment_ids=seg, span_ids=span, kv_exchange="ring",
                                                      kernel="pallas_gpu", block_q=16, block_kv=16)
     assert_matches(f, lambda q, k, v: dense_reference(q, k, v, m), (q, k, v), ct, jnp.float32, "pallas_gpu ring")
+
+
+def test_prefill_padding_joins_no_span():
+    """A span over the whole prompt: the right padding after ``lengths`` stays unseen by real tokens."""
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    attn = jax_cp.CPAttention(4, 32, mesh=mesh, is_causal=True, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 16, 32))
+    lengths, span = np.array([16, 9], np.int32), np.ones((2, 16), np.int32)
+    attn.init_cache((2, 32))
+    y = attn(x, prefill=True, span_ids=span, lengths=lengths)
+    attn.init_cache((2, 32))
+    y2 = attn(x.at[1, 9:].set(7.0), prefill=True, span_ids=span, lengths=lengths)
+    np.testing.assert_array_equal(np.asarray(y)[1, :9], np.asarray(y2)[1, :9])
+    ref = reference.Attention(4, 32, is_causal=True, rngs=nnx.Rngs(0))
+    assert_close(np.asarray(y)[1, :9], ref(x[1:, :9], span_ids=span[1:, :9])[0], jnp.float32, "real tokens")
+
+
+def test_an_exchange_that_supplies_segment_ids_is_resolved_with_them(monkeypatch):
+    """``Attended`` hands its kernel segment ids (-1 on unused buffer slots): on GPU the resolved kernel
+    must take them (pallas_gpu), not cuDNN, though the call gave none."""
+    from jax_cp import _spec
+
+    monkeypatch.setattr(_spec, "chip_of", lambda device: ("gpu", None))
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+    spec = jax_cp.AttentionSpec(num_heads=8, head_dim=64, kv_exchange=exchanges.Attended(block=8, sizes=(1,)),
+                                overlap_chunks=1, fused_qkv_chunks=0)
+    assert spec.resolve(mesh, batch=2, seq_len=64)[0].kernel == kernels.PALLAS_GPU
+    plain = spec.replace(kv_exchange="all_gather").resolve(mesh, batch=2, seq_len=64)[0]
+    assert plain.kernel == kernels.CUDNN  # the same call without that exchange: cuDNN serves it

@@ -39,6 +39,7 @@ class KVExchange:
     fuses_qkv: ClassVar[bool] = True  # Q, K and V may share one Ulysses all-to-all (fused_qkv_chunks)
     ties_chunks: ClassVar[bool] = True  # the chunk-to-chunk gradient tie helps on hybrid layouts
     no_fuse_reason: ClassVar[str] = ""
+    supplies_segments: ClassVar[bool] = False  # its kernel calls always get segment ids (the kernel rule must know)
 
     def __str__(self) -> str:
         return self.name

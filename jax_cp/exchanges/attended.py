@@ -61,6 +61,7 @@ class Attended(KVExchange):
     """
 
     name: ClassVar[str] = "attended"
+    supplies_segments: ClassVar[bool] = True  # unused buffer slots are masked by segment id -1
     block: int = BLOCK
     sizes: tuple[int, ...] = ()
 
