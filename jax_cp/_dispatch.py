@@ -174,6 +174,8 @@ def plan(segment_ids, mesh, *, positions=None, is_causal: bool = True, local_win
     counts_BS, doc_BS, dual_B = _rows(seg_BS, pos_BS, is_causal, window)
     if span_ids is not None and is_causal:
         counts_BS, dual_B = counts_BS + _span_counts(span_ids, doc_BS, pos_BS, window), np.zeros_like(dual_B)
+    elif span_ids is not None:
+        _check_spans(span_ids, seg_BS.shape)
     best = None
     for _ in range(_REFINEMENTS + 1):  # finer chunks only where the coarse ones leave a rank > 2% over the mean
         d = _dispatch(_chunk_order(counts_BS, doc_BS, dual_B, dims, k), counts_BS, pos_BS, dims, seg_BS,
@@ -207,6 +209,8 @@ def fixed(segment_ids, mesh, *, balanced: bool = True, positions=None, is_causal
     counts_BS, doc_BS, _ = _rows(seg_BS, pos_BS, is_causal, window)
     if span_ids is not None and is_causal:
         counts_BS = counts_BS + _span_counts(span_ids, doc_BS, pos_BS, window)
+    elif span_ids is not None:
+        _check_spans(span_ids, seg_BS.shape)
     N = 2 * dims.c
     owner = _dual_owner(N, dims.c) if balanced else np.arange(N) // 2
     chunks_BN = np.broadcast_to(np.argsort(owner, kind="stable"), (seg_BS.shape[0], N))
@@ -275,13 +279,20 @@ def _rows(seg_BS, pos_BS, is_causal: bool, window: Window):
     return counts_BS, doc_BS, is_causal & np.all(doc_BS == 0, axis=1) & consecutive_B
 
 
+def _check_spans(span_ids, shape) -> np.ndarray:
+    """``span_ids`` as an integer array of ``shape``, else a ValueError (checked for every mask: a
+    non-causal one only has no pairs to add)."""
+    span = np.asarray(span_ids)
+    if span.shape != shape or not np.issubdtype(span.dtype, np.integer):
+        raise ValueError(f"span_ids (shape={span.shape}, dtype={span.dtype}) must be integers of shape "
+                         f"(batch, seq_len)={shape}, like segment_ids.")
+    return span
+
+
 def _span_counts(span_ids, doc_BS, pos_BS, window: Window) -> np.ndarray:
     """``[B, S]``: the keys each causal query sees beyond the causal ones: those of its document and
     span (id != 0) at later positions (within the window's right side)."""
-    span = np.asarray(span_ids)
-    if span.shape != doc_BS.shape or not np.issubdtype(span.dtype, np.integer):
-        raise ValueError(f"span_ids (shape={span.shape}, dtype={span.dtype}) must be integers of shape "
-                         f"(batch, seq_len)={doc_BS.shape}, like segment_ids.")
+    span = _check_spans(span_ids, doc_BS.shape)
     pos = np.broadcast_to(np.arange(doc_BS.shape[1]), doc_BS.shape) if pos_BS is None else pos_BS
     extra = np.zeros(doc_BS.shape, np.int64)
     right = None if window is None else window[1]

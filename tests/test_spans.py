@@ -232,6 +232,9 @@ def test_the_dispatch_plan_balances_the_area_spans_add(window):
     assert work.max() / work.mean() <= 1.05, work
     with pytest.raises(ValueError, match=r"span_ids \(shape=\(3,\), dtype=int64\) must be integers of shape"):
         load_balance.plan(seg, AbstractMesh((1, 4, 1, 1), jax_cp.AXES), positions=pos, span_ids=np.ones(3, np.int64))
+    with pytest.raises(ValueError, match=r"span_ids \(shape=\(3,\), dtype=int64\) must be integers of shape"):
+        load_balance.plan(seg, AbstractMesh((1, 4, 1, 1), jax_cp.AXES), positions=pos, span_ids=np.ones(3, np.int64),
+                          is_causal=False)
 
 
 def test_a_ring_of_pallas_gpu_steps_takes_spans():
