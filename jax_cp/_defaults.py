@@ -168,7 +168,7 @@ def choose_kernel(kernel=_kernels.AUTO, *, platform: str, kv_exchange, is_causal
     ``dot_product_attention`` and the planner; :func:`describe_kernel` prints it). ``kv_exchange``:
     the resolved exchange value; ``kv_len``: the keys one kernel call sees (a ring step's chunk, or
     every key after an all-gather; ``None``: not known, assumed to fit); ``spans``: span ids are
-    given (blockwise, pallas_gpu and ``"xla"`` take them). An explicit kernel that cannot serve the call raises
+    given (every kernel but cuDNN takes them). An explicit kernel that cannot serve the call raises
     its ``ValueError``.
     """
     kernel = _kernels.resolve(kernel)
@@ -185,7 +185,7 @@ def choose_kernel(kernel=_kernels.AUTO, *, platform: str, kv_exchange, is_causal
         return runs, f"auto on {platform} with kv_exchange={kv_exchange.name!r}: {why}"
     if chosen == _kernels.BLOCKWISE:
         why = {"tpu": _kernels.SPLASH.why_not(window=window, kv_len=kv_len, max_logits=record_max_logits,
-                                              residual=return_residual, spans=spans),
+                                              residual=return_residual, spans=spans, is_causal=is_causal),
                "gpu": _kernels.PALLAS_GPU.why_not(head_dim=head_dim, spans=spans)}.get(platform)
         return chosen, f"auto on {platform}: " + (why or "the portable kernel")
     if chosen == _kernels.PALLAS_GPU:
@@ -211,7 +211,7 @@ def describe_kernel(*, kernel=_kernels.AUTO, platform: str | None = None, kv_exc
         logits_soft_cap, use_sinks, record_max_logits: the call's soft cap, sinks, max logits.
         kv_len: the keys one kernel call sees (a ring step's chunk, or every key after an
             all-gather; ``None``: not known).
-        spans: the call has span ids (``span_ids``): blockwise, pallas_gpu and ``"xla"`` take them.
+        spans: the call has span ids (``span_ids``): every kernel but cuDNN takes them.
 
     Returns:
         e.g. ``"splash (auto on tpu)"``, or ``"blockwise (auto on tpu:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_cp._blockwise import check_soft_cap, merge_softmax, unchecked as _unchecked, vary_as as _vary_as
+from jax_cp._blockwise import check_soft_cap, fold_sinks, merge_softmax, sinks_grad, unchecked as _unchecked, vary_as as _vary_as
 from jax_cp._masks import normalize_window
 
 # Imported with jax_cp, not when a kernel is first chosen: these modules register JAX config states
@@ -84,12 +84,16 @@ def unavailable_reason() -> str | None:
 
 
 def splash_unsupported_reason(*, window, kv_len: int | None = None, max_logits: bool = False,
-                              residual: bool = False) -> str | None:
+                              residual: bool = False, spans: bool = False, is_causal: bool = True) -> str | None:
     """Why splash cannot serve this call (``None`` when it can). ``kv_len``: the keys one kernel
-    call sees (``None``: not known yet, windows are assumed to fit)."""
+    call sees (``None``: not known yet, windows and spans are assumed to fit); ``spans``: span ids
+    are given (they change a causal mask only)."""
     if window is not None and kv_len is not None and _padded(kv_len) > MAX_WINDOW_KEYS:
         return (f"local_window_size={window} over {kv_len} keys in one kernel call: splash gets a window's "
                 f"two bounds per query in {_BITS} bits each, so at most {MAX_WINDOW_KEYS} keys")
+    if spans and is_causal and kv_len is not None and _padded(kv_len) > MAX_WINDOW_KEYS:
+        return (f"span ids over {kv_len} keys in one kernel call: splash gets the keys of a query's span after it "
+                f"as two bounds per query in {_BITS} bits each, so at most {MAX_WINDOW_KEYS} keys")
     if max_logits:
         return "the max-logit statistic (record_max_logits) is not among the splash kernel's outputs"
     if residual:
@@ -328,9 +332,10 @@ _unchecked_call.defvjp(_unchecked_fwd, _unchecked_bwd)
 def splash_attention(
     q_BTHd, k_BSKd, v_BSKd, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
     is_causal=False, local_window_size=None, scale=None, logits_soft_cap=None, sinks=None, interpret: bool = False,
-    natural_positions: bool = False,
+    natural_positions: bool = False, q_span_ids=None, kv_span_ids=None,
 ):
-    """Splash attention with our data-defined masks (causal/full, segments, windows up to ``MAX_WINDOW_KEYS`` keys).
+    """Splash attention with our data-defined masks (causal/full, segments, windows up to ``MAX_WINDOW_KEYS``
+    keys, bidirectional spans over at most as many keys).
 
     Rows that see no key return zeros.
 
@@ -344,6 +349,9 @@ def splash_attention(
             (queries and keys the same tokens, no segment ids); the mask is then built when
             traced, as it is for a mask that ignores positions (not causal, no window, no
             segment ids): no sort of keys at run time.
+        q_span_ids, kv_span_ids: bidirectional span ids of the queries and keys (0: none; the keys':
+            the queries' unless given), or None. With a causal mask each row runs two calls, merged
+            by log-sum-exp: the keys at or before each query, and those after it in its span.
 
     Returns:
         ``o`` ``[B, T, H, dv]``.
@@ -352,14 +360,20 @@ def splash_attention(
         ValueError: splash cannot serve the call (e.g. a window over too many keys).
     """
     window = normalize_window(local_window_size)
-    reason = splash_unsupported_reason(window=window, kv_len=k_BSKd.shape[1])
+    spans = bool(is_causal) and q_span_ids is not None  # not causal: spans change nothing
+    reason = splash_unsupported_reason(window=window, kv_len=k_BSKd.shape[1], spans=spans)
     if reason:
         raise ValueError(f"kernel='splash': {reason}; use kernel='blockwise' (or 'auto').")
     segments = q_segment_ids is not None or kv_segment_ids is not None
-    if natural_positions and (segments or q_BTHd.shape[1] != k_BSKd.shape[1]):
+    given = "segment ids are given" if segments else "span ids are given" if spans else (
+        f"{q_BTHd.shape[1]} queries meet {k_BSKd.shape[1]} keys" if q_BTHd.shape[1] != k_BSKd.shape[1] else "")
+    if natural_positions and given:
         raise ValueError(f"natural_positions=True states positions arange(S) on both sides of self-attention, but "
-                         f"{'segment ids are given' if segments else f'{q_BTHd.shape[1]} queries meet {k_BSKd.shape[1]} keys'}"
-                         "; pass natural_positions=False (the mask is then built from the positions).")
+                         f"{given}; pass natural_positions=False (the mask is then built from the positions).")
+    if spans:
+        return _splash_spans(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                             q_span_ids, kv_span_ids, sinks, window=window, scale=scale, interpret=bool(interpret),
+                             soft_cap=check_soft_cap(logits_soft_cap))
     static_mask = natural_positions or not (is_causal or window is not None or segments)
     return _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids, kv_segment_ids, sinks,
                        is_causal=bool(is_causal), window=window, scale=scale, interpret=bool(interpret),
@@ -395,6 +409,56 @@ def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids
     return jnp.where(has_key_BT[:, :T, None, None], o, 0).astype(q_BTHd.dtype)
 
 
+@partial(jax.jit, static_argnames=("window", "scale", "interpret", "soft_cap"))
+def _splash_spans(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids, kv_segment_ids, q_span_ids,
+                  kv_span_ids, sinks, *, window, scale, interpret, soft_cap):
+    """Causal splash with span ids: the keys prepared as one ring chunk (``ring_prepare``) and attended
+    in one step of two calls (``ring_forward_step``), with its backward (``prepared_attention``)."""
+    qx, qm, home, step = ring_prepare(q_BTHd, k_BSKd, v_BSKd, q_positions, q_segment_ids, scale=scale, is_causal=True,
+                                      interpret=interpret, soft_cap=soft_cap, window=window, span_BT=q_span_ids,
+                                      kv_span_BT=kv_span_ids, kv_seg_BT=kv_segment_ids, kv_pos_BT=kv_positions)
+    return jnp.swapaxes(prepared_attention(qx, qm, home, sinks, step)[:, :, :q_BTHd.shape[1]], 1, 2)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def prepared_attention(qx, qm, home, sinks, step: RingStep):
+    """The queries ``qx`` (``ring_prepare``'s) attended to one prepared chunk ``home``, sinks folded in
+    once: ``o [B, H, Tp, d]`` in the queries' dtype. Differentiable in ``qx``, the chunk's K/V and
+    ``sinks``; the backward runs splash's backward kernels with this output and log-sum-exp."""
+    return _prepared_fwd(qx, qm, home, sinks, step)[0]
+
+
+def finish(o, lse, sinks, dtype):
+    """The merged ``(o, lse)`` of every chunk with the sinks folded in once: ``(o in dtype, lse)``."""
+    o, lse = fold_sinks(o, lse, sinks, head_axis=1)
+    return o.astype(dtype), lse
+
+
+def sinks_cotangent(sinks, lse, o, do):
+    """``d loss / d sinks`` of a prepared call or ring (``None`` without sinks): padded query rows have
+    ``do = 0``, so they add nothing."""
+    if sinks is None:
+        return None
+    delta = jnp.einsum("bhtd,bhtd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
+    return sinks_grad(sinks, lse, delta, head_axis=1)
+
+
+def _prepared_fwd(qx, qm, home, sinks, step):
+    o, lse = finish(*ring_forward_step(step, qx, qm, home, None, 0), sinks, qx.dtype)
+    return o, (qx, qm, home, o, lse, sinks)
+
+
+def _prepared_bwd(step, res, do):
+    qx, qm, home, o, lse, sinks = res
+    dq, dk, dv = ring_backward_step(step, qx, qm, home, o, lse, do, None, 0)
+    k, v = home[0], home[1]
+    return (dq.astype(qx.dtype), jax.tree.map(lambda _: None, qm),
+            (dk.astype(k.dtype), dv.astype(v.dtype), *(None,) * (len(home) - 2)), sinks_cotangent(sinks, lse, o, do))
+
+
+prepared_attention.defvjp(_prepared_fwd, _prepared_bwd)
+
+
 # --- The ring's steps: one splash call per K/V chunk, merged by log-sum-exp ----------------------
 # The chunk is prepared once at home (head-major, padded to lanes, keys sorted by
 # (padding, segment, position)) and travels that way; each step builds the kernel's
@@ -411,10 +475,11 @@ class RingStep:
     static: tuple  # the kernel's keyword arguments
     window: tuple[int, int] | None = None
     natural: bool = False  # chunks of arange positions, no segments: masks known when traced (_natural_info)
+    span_static: tuple | None = None  # causal with span ids: the settings of each step's second call (_span_part)
 
 
 def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, interpret, soft_cap=None,
-                 kv_seg_BT=None, kv_pos_BT=None, window=None, natural: bool = False):
+                 kv_seg_BT=None, kv_pos_BT=None, window=None, natural: bool = False, span_BT=None, kv_span_BT=None):
     """``(q [B, H, Tp, d] scaled, q metadata, home chunk, RingStep)``. The home chunk is
     ``(k [B, K, Sp, d], v, positions, segments)`` with each row's keys sorted by (segment,
     position); padding keys (beyond the chunk, or of a negative segment) carry segment
@@ -425,16 +490,20 @@ def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, in
     ``natural``: every device's chunk holds the positions ``i T .. (i+1) T - 1`` (the default
     positions split over the ring), no segment ids, no window: nothing is sorted, the chunk travels
     without positions, and each step's mask is one of three known when traced (``_natural_info``:
-    the same chunk, an earlier or a later one), picked by the step's ``ahead``."""
+    the same chunk, an earlier or a later one), picked by the step's ``ahead``. ``span_BT`` /
+    ``kv_span_BT``: span ids of the queries / keys (the keys': ``span_BT`` unless given); with a
+    causal mask they travel with the keys (a fifth element of the chunk) and the queries' join the
+    metadata, and each step adds the keys of a query's span after it (``_span_part``)."""
     B, T, H, d = q_BTHd.shape
     S, K = k_BTKd.shape[1], k_BTKd.shape[2]
     Tp, Sp = _padded(T), _padded(S)
     scale = d**-0.5 if scale is None else scale
     qx = jnp.swapaxes(_pad_seq(q_BTHd * jnp.asarray(scale, q_BTHd.dtype), Tp), 1, 2)
     i32 = lambda a, n: None if a is None else _pad_seq(jnp.asarray(a, jnp.int32), n)
+    spans = bool(is_causal) and span_BT is not None  # not causal: every key is visible, spans change nothing
     if natural:
         given = [name for name, a in (("seg_BT", seg_BT), ("kv_seg_BT", kv_seg_BT), ("kv_pos_BT", kv_pos_BT),
-                                      ("window", window)) if a is not None]
+                                      ("window", window), ("span_BT", span_BT if spans else None)) if a is not None]
         if given or S != T:
             raise ValueError(f"natural=True states arange chunks of self-attention, but {given or f'S={S} != T={T}'} "
                              "given; pass natural=False (masks are then built from the positions).")
@@ -446,7 +515,7 @@ def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, in
         kpos = pos if kv_pos_BT is None else i32(kv_pos_BT, Sp)
         kseg_src = seg if kv_seg_BT is None else i32(kv_seg_BT, Sp)
         idx = jnp.broadcast_to(jnp.arange(Sp, dtype=jnp.int32), kpos.shape)
-        if kseg_src is None and Sp == S:
+        if kseg_src is None and Sp == S and not spans:
             pos_s, perm = lax.sort((kpos, idx), num_keys=1)
             keys = (pos_s, None)
         else:
@@ -454,9 +523,13 @@ def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, in
             kseg = jnp.where((jnp.arange(Sp) >= S)[None] | (seg0 < 0), _IMAX, seg0)
             kseg_s, pos_s, perm = lax.sort((kseg, kpos, idx), num_keys=2)
             keys = (pos_s, kseg_s)
+            if spans:  # the keys' span ids travel in the same order
+                keys += (jnp.take_along_axis(i32(span_BT if kv_span_BT is None else kv_span_BT, Sp), perm, axis=1),)
         kx, vx = (jnp.take_along_axis(a, perm[:, None, :, None], axis=2) for a in (kx, vx))
     static = _static(Tp, Sp, interpret, soft_cap, window=window is not None, mqa=K == 1)
-    return qx, (pos, seg), (kx, vx, *keys), RingStep(T, bool(is_causal), seg is not None, static, window, natural)
+    span_static = _static(Tp, Sp, interpret, soft_cap, window=True, mqa=K == 1) if spans else None
+    qm = (pos, seg, i32(span_BT, Tp) if spans else None)
+    return qx, qm, (kx, vx, *keys), RingStep(T, bool(is_causal), seg is not None, static, window, natural, span_static)
 
 
 def _ring_known(step: RingStep, qx, kv, ahead):
@@ -478,8 +551,8 @@ def _ring_known(step: RingStep, qx, kv, ahead):
 
 
 def _row_kernel_args(step: RingStep, kv, qm, known=None):
-    _, _, kpos, kseg = kv
-    qpos, qseg = qm
+    kpos, kseg = kv[2], kv[3]
+    qpos, qseg = qm[0], qm[1]
     Tp = qpos.shape[0]
     if known is not None:
         return *known, None
@@ -497,17 +570,51 @@ def _row_kernel_args(step: RingStep, kv, qm, known=None):
     return infos, has_key, _segment_ids(qseg, qseg0, kseg)
 
 
+def _span_part(step: RingStep, kv, qm):
+    """The second call of a causal step with span ids: each query's keys *after* it in its span (the
+    first call has those at or before it, so the two are disjoint and merge by log-sum-exp).
+
+    In the chunk's (segment, position) order those keys lie in the query's segment at positions
+    ``pos_q < p <= e_q``, where ``e_q`` is the last key of the query's span (and segment) in the chunk
+    within the window's right edge: one run ``lo_t <= s < hi_t`` (the packed two-bound mask), with
+    span ids as the kernel's segment ids so that keys of other spans inside the run stay hidden.
+    Exact for any spans; a span contiguous in position makes the run hold only its keys, so the
+    blocks visited are the span's. Returns ``(infos, has_key, segment_ids)`` as ``_row_kernel_args``."""
+    kpos, kseg, kspan = kv[2], kv[3], kv[4]
+    qpos, qseg, qspan = qm
+    Tp = qpos.shape[0]
+    qseg0 = jnp.zeros(Tp, jnp.int32) if qseg is None else qseg
+    edge = _IMAX if step.window is None else jnp.where(qpos > _IMAX - step.window[1], _IMAX, qpos + step.window[1])
+    s_seg, s_span, s_pos = lax.sort((kseg, kspan, kpos), num_keys=3)  # keys grouped by (segment, span)
+    last = _counts_le((kseg, kspan, kpos), (qseg0, qspan, jnp.broadcast_to(edge, (Tp,)))) - 1
+    at = jnp.maximum(last, 0)
+    end = s_pos[at]
+    found = (last >= 0) & (s_seg[at] == qseg0) & (s_span[at] == qspan) & (qspan != 0) & (end > qpos)
+    lo = _counts_le((kseg, kpos), (qseg0, qpos))
+    hi = jnp.where(found, _counts_le((kseg, kpos), (qseg0, end)), lo)
+    infos, has_key = _info_from_bounds(hi, lo, Sp=kpos.shape[0], T=step.T, window=True)
+    return infos, has_key, sa.SegmentIds(q=qspan, kv=kspan)
+
+
+def _forward_call(static, args, q, kv):
+    """One splash forward on a row: ``(o, lse)`` in float32, rows that see no key zero / ``_NEG``."""
+    infos, has_key, segment_ids = args
+    o, (lse,) = _unchecked(  # the public kernel's forward, returning its log-sum-exp
+        lambda infos, *a: _kernel(static, infos, save_residuals=True)(*a),
+        infos, q, _kv_in(kv[0], static), _kv_in(kv[1], static), segment_ids)
+    return (jnp.where(has_key[None, :, None], o.astype(jnp.float32), 0.0),
+            jnp.where(has_key[None], lse.astype(jnp.float32), _NEG))
+
+
 def ring_forward_step(step: RingStep, qx, qm, kv, carry=None, ahead=None):
     """Attends the queries to the chunk ``kv`` in hand; ``carry=(o, lse)`` of earlier chunks
     (float32, ``[B, H, Tp, d]`` and ``[B, H, Tp]``) is merged by log-sum-exp. ``ahead``: how many
     places before the queries' own chunk the ring holds ``kv``'s (what ``step.natural`` reads)."""
     def row(q, kv, qm, known):
-        infos, has_key, segment_ids = _row_kernel_args(step, kv, qm, known)
-        o, (lse,) = _unchecked(  # the public kernel's forward, returning its log-sum-exp
-            lambda infos, *a: _kernel(step.static, infos, save_residuals=True)(*a),
-            infos, q, _kv_in(kv[0], step.static), _kv_in(kv[1], step.static), segment_ids)
-        return (jnp.where(has_key[None, :, None], o.astype(jnp.float32), 0.0),
-                jnp.where(has_key[None], lse.astype(jnp.float32), _NEG))
+        out = _forward_call(step.static, _row_kernel_args(step, kv, qm, known), q, kv)
+        if step.span_static is None:
+            return out
+        return merge_softmax(out, _forward_call(step.span_static, _span_part(step, kv, qm), q, kv))
 
     o, lse = jax.vmap(row)(qx, kv, qm, _ring_known(step, qx, kv, ahead))
     o, lse = _vary_as(o, qx, kv[0]), _vary_as(lse, qx, kv[0])
@@ -520,10 +627,17 @@ def ring_backward_step(step: RingStep, qx, qm, kv, o, lse, do, dq=None, ahead=No
     """``(dq, dk, dv)`` (float32) of the chunk ``kv`` given the final ``o`` (queries' dtype) and
     ``lse``: splash's backward kernels with the merged residuals, so summing over chunks gives
     the full gradient (``dq`` is added to). ``ahead``: as ``ring_forward_step``'s."""
+    def grads(static, args, q, kv, o, lse, do):
+        infos, _, segment_ids = args
+        k, v = _kv_in(kv[0], static), _kv_in(kv[1], static)
+        return _backward(static, (q, k, v, segment_ids, None, o, lse, infos[1], infos[2]), do)[:3]
+
     def row(q, kv, qm, o, lse, do, known):
-        infos, _, segment_ids = _row_kernel_args(step, kv, qm, known)
-        k, v = _kv_in(kv[0], step.static), _kv_in(kv[1], step.static)
-        return _backward(step.static, (q, k, v, segment_ids, None, o, lse, infos[1], infos[2]), do)[:3]
+        g = grads(step.static, _row_kernel_args(step, kv, qm, known), q, kv, o, lse, do)
+        if step.span_static is None:
+            return g
+        g2 = grads(step.span_static, _span_part(step, kv, qm), q, kv, o, lse, do)
+        return tuple(a.astype(jnp.float32) + b.astype(jnp.float32) for a, b in zip(g, g2))
 
     dq_s, dk, dv = jax.vmap(row)(qx, kv, qm, o, lse, do, _ring_known(step, qx, kv, ahead))
     dq_s, dk, dv = (_vary_as(g.astype(jnp.float32), qx, kv[0]) for g in (dq_s, dk, dv))

@@ -213,9 +213,8 @@ def test_ring_permutes_overlap_compute_on_tpu(kernel, topology, c):
         assert kernels == [] and "tpu_custom_call" not in hlo and calls == {}, kernels
 
 
-def _splash_calls_in_ring_loops(hlo: str) -> list[list[str]]:
-    """For each while-loop body of the scheduled HLO that starts collective-permutes: the splash
-    kernels it calls (sorted; bodies without one are left out)."""
+def _loop_bodies(hlo: str) -> list[str]:
+    """The text of each while-loop body of the scheduled HLO."""
     comps, name = {}, None
     for line in hlo.split("\n"):
         head = re.match(r"(?:ENTRY )?%?([\w.-]+) .*\{$", line)
@@ -226,10 +225,14 @@ def _splash_calls_in_ring_loops(hlo: str) -> list[list[str]]:
             name = None
         elif name:
             comps[name].append(line)
-    bodies = set(re.findall(r"body=%?([\w.-]+)", hlo))
+    return ["\n".join(comps[name]) for name in sorted(set(re.findall(r"body=%?([\w.-]+)", hlo)) & comps.keys())]
+
+
+def _splash_calls_in_ring_loops(hlo: str) -> list[list[str]]:
+    """For each while-loop body of the scheduled HLO that starts collective-permutes: the splash
+    kernels it calls (sorted; bodies without one are left out)."""
     found = []
-    for name in bodies & comps.keys():
-        text = "\n".join(comps[name])
+    for text in _loop_bodies(hlo):
         calls = sorted(set(re.findall(r"%(splash_m[hq]a_(?:fwd|dq|dkv))_[\w.]+ = ", text)))
         if "collective-permute-start(" in text and calls:
             found.append(calls)

@@ -7,6 +7,8 @@ prefixes, several spans per row, spans crossing CP chunk boundaries and ring ste
 packed documents, on the natural, the load-balanced and the dispatched orders.
 Letters: B batch, S sequence, H query heads, K kv heads, d head dim.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,7 +114,8 @@ def test_the_kernels_that_take_spans_skip_blocks_exactly():
     q, k, v, ct = random_qkv(B, S, H, 2, d, seed=9)
     m = mask_np(pos, seg, span)
     for kernel, blocks in ((kernels.BLOCKWISE, dict(block_q=8, block_kv=8)), (kernels.DENSE, {}),
-                           (kernels.PALLAS_GPU, dict(block_q=16, block_kv=16))):  # Pallas interpret mode off GPU
+                           (kernels.PALLAS_GPU, dict(block_q=16, block_kv=16)),  # Pallas interpret mode off GPU
+                           (kernels.SPLASH, {})):  # a second call per row: the keys after a query in its span
         f = lambda q, k, v: kernels.local_attention(
             q, k, v, kernel=kernel, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
             is_causal=True, q_span_ids=span, kv_span_ids=span, **blocks)
@@ -120,21 +123,92 @@ def test_the_kernels_that_take_spans_skip_blocks_exactly():
     assert rng is not None
 
 
-def test_kernels_without_spans_say_so_and_auto_takes_blockwise():
-    for kernel in (kernels.SPLASH, kernels.CUDNN):
-        with pytest.raises(ValueError, match=r"span ids \(span_ids\) are not among the .* mask inputs"):
-            kernels.select_kernel(kernel, platform="tpu" if kernel == kernels.SPLASH else "gpu", is_causal=True,
-                                  window=None, has_segments=False, dtype=jnp.bfloat16, head_dim=128, spans=True)
-    for platform, chosen in (("tpu", "blockwise"), ("gpu", "pallas_gpu"), ("cpu", "blockwise")):
-        described = jax_cp.describe_kernel(platform=platform, is_causal=True, spans=True)
+def _broken_spans():
+    """One packed row whose spans are not contiguous: span 2 holds two runs with other tokens (span 0,
+    and span 3) between them, and span 4 runs across a document boundary."""
+    seg = np.repeat(np.array([[0, 1, 2]], np.int32), [40, 16, 8], axis=1)
+    pos = np.concatenate([np.arange(40), np.arange(16), np.arange(8)]).astype(np.int32)[None]
+    span = np.zeros((1, S), np.int32)
+    span[0, 4:10] = span[0, 16:22] = 2
+    span[0, 12:14] = 3
+    span[0, 36:46] = 4
+    return seg, pos, span
+
+
+@pytest.mark.parametrize("K,window,sinks", [(2, None, False), (1, (9, 3), True)])
+def test_splash_takes_spans_that_are_not_contiguous(K, window, sinks):
+    """Splash's second call covers the run from each query to the last key of its span; the span ids
+    as its segment ids hide the other tokens inside that run (MQA form with ``K = 1``, windows and
+    sinks too; sinks are checked against the blockwise kernel, itself checked against the rule)."""
+    seg, pos, span = _broken_spans()
+    q, k, v, ct = random_qkv(1, S, H, K, d, seed=K)
+    sink = jnp.linspace(-1.0, 1.0, H) if sinks else None
+    run = lambda kernel: lambda q, k, v: kernels.local_attention(
+        q, k, v, kernel=kernel, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
+        is_causal=True, q_span_ids=span, kv_span_ids=span, local_window_size=window, sinks=sink)
+    m = mask_np(pos, seg, span, window=window)
+    if not sinks:  # the dense reference has no sinks
+        assert_matches(run(kernels.BLOCKWISE), lambda q, k, v: dense_reference(q, k, v, m), (q, k, v), ct,
+                       jnp.float32, "blockwise")
+    assert_matches(run(kernels.SPLASH), run(kernels.BLOCKWISE), (q, k, v), ct, jnp.float32, f"splash {K=} {window=}")
+
+
+def test_span_support_per_kernel_and_auto():
+    """cuDNN refuses spans; splash takes them (causal: over at most ``MAX_WINDOW_KEYS`` keys a call),
+    so ``auto`` runs splash on TPU, pallas_gpu on GPU, and says why when it cannot."""
+    from jax_cp._splash import MAX_WINDOW_KEYS
+
+    with pytest.raises(ValueError, match=r"span ids \(span_ids\) are not among the cuDNN kernel's mask inputs"):
+        kernels.select_kernel(kernels.CUDNN, platform="gpu", is_causal=True, window=None, has_segments=False,
+                              dtype=jnp.bfloat16, head_dim=128, spans=True)
+    long = MAX_WINDOW_KEYS + 128
+    with pytest.raises(ValueError, match=f"span ids over {long} keys in one kernel call.*at most {MAX_WINDOW_KEYS}"):
+        kernels.select_kernel(kernels.SPLASH, platform="tpu", is_causal=True, window=None, has_segments=False,
+                              dtype=jnp.bfloat16, head_dim=128, spans=True, kv_len=long)
+    for platform, chosen in (("tpu", "splash"), ("gpu", "pallas_gpu"), ("cpu", "blockwise")):
+        described = jax_cp.describe_kernel(platform=platform, is_causal=True, spans=True, kv_len=4096)
         assert described.startswith(f"{chosen} (auto on"), described
-    assert "span ids" in jax_cp.describe_kernel(platform="tpu", is_causal=True, spans=True)
     assert "span ids" in jax_cp.describe_kernel(platform="gpu", is_causal=True, spans=True)  # why not cuDNN
-    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
-    q, k, v, _ = random_qkv(B, S, H, 2, d)
-    with pytest.raises(ValueError, match="span ids"):
-        jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, span_ids=np.ones((B, S), np.int32),
-                                     kernel="splash")
+    described = jax_cp.describe_kernel(platform="tpu", is_causal=True, spans=True, kv_len=long)
+    assert described.startswith("blockwise (auto on tpu: span ids over"), described
+    assert jax_cp.describe_kernel(platform="tpu", is_causal=False, spans=True, kv_len=long).startswith("splash")
+
+
+def test_a_ring_of_splash_steps_takes_spans_on_a_tpu_topology():
+    """Ahead of time for v5e:2x2 (libtpu): with span ids, ``auto`` runs splash in every ring step, two
+    calls a step (the keys at or before each query, then those after it in its span) in the forward
+    ring's loop and in the backward's."""
+    pytest.importorskip("libtpu", reason="libtpu is needed for TPU ahead-of-time compilation")
+    from jax.experimental import topologies
+
+    from test_ring import _loop_bodies
+
+    c = 4
+    mesh = jax_cp.make_mesh(cp_colossal=c, devices=topologies.get_topology_desc("v5e:2x2", "tpu").devices)
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("cp_colossal", "cp_ulysses")))
+    shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype, sharding=spec)
+    loss = lambda q, k, v, span: jax_cp.dot_product_attention(
+        q, k, v, mesh=mesh, kv_exchange="ring", is_causal=True, span_ids=span).astype(jnp.float32).sum()
+    args = shape(1, 512 * c, 8, 128), shape(1, 512 * c, 2, 128), shape(1, 512 * c, 2, 128)
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args, shape(1, 512 * c, dtype=jnp.int32)).compile().as_text()
+    calls = sorted(sorted(re.findall(r"%(splash_mha_(?:fwd|dq|dkv))[\w.]* = ", body))
+                   for body in _loop_bodies(hlo) if "collective-permute-start(" in body)
+    assert calls == [["splash_mha_dkv"] * 2 + ["splash_mha_dq"] * 2, ["splash_mha_fwd"] * 2], calls
+
+
+@pytest.mark.parametrize("cut,K,window", [((4, 2, 1), 2, None), ((2, 2, 2), 4, (12, 3))])
+def test_a_ring_of_splash_steps_takes_spans(cut, K, window):
+    """Each ring step as splash (interpret mode off TPU), spans crossing chunks and ring steps; with
+    ``K = 4`` over ``u t = 4`` each device holds one kv head (splash's MQA form)."""
+    c, u, t = cut
+    mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
+    seg, pos, span = _packed_rows(seed=31 + c)
+    q, k, v, ct = random_qkv(B, S, H, K, d, seed=c)
+    m = mask_np(pos, seg, span, window=window)
+    f = lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, positions=pos,
+                                                     segment_ids=seg, span_ids=span, kv_exchange="ring",
+                                                     kernel="splash", local_window_size=window)
+    assert_matches(f, lambda q, k, v: dense_reference(q, k, v, m), (q, k, v), ct, jnp.float32, f"splash ring {cut}")
 
 
 def test_bad_span_arguments_are_value_errors():

@@ -174,8 +174,7 @@ def _splash_ring(qx, qm, home, sinks, axis_name, step):
 
 def _splash_ring_fwd(qx, qm, home, sinks, axis_name, step):
     o, lse = _loop(lambda carry, kv, ahead: sp.ring_forward_step(step, qx, qm, kv, carry, ahead), home, axis_name)
-    o, lse = bw.fold_sinks(o, lse, sinks, head_axis=1)  # once, after the last chunk ([B, H, Tp] lse)
-    o = o.astype(qx.dtype)
+    o, lse = sp.finish(o, lse, sinks, qx.dtype)  # sinks once, after the last chunk ([B, H, Tp] lse)
     return o, (qx, qm, home, o, lse, sinks)
 
 
@@ -192,12 +191,8 @@ def _splash_ring_bwd(axis_name, step, res, do):
         dq, (dk, dv) = _backward_ring(grads, home, do, axis_name, c)
     k, v = home[0], home[1]
     none = (None,) * (len(home) - 2)
-    dsinks = None
-    if sinks is not None:  # padded query rows have do = 0: no share
-        delta = jnp.einsum("bhtd,bhtd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
-        dsinks = bw.sinks_grad(sinks, lse, delta, head_axis=1)
     return (dq.astype(qx.dtype), jax.tree.map(lambda _: None, qm), (dk.astype(k.dtype), dv.astype(v.dtype), *none),
-            dsinks)
+            sp.sinks_cotangent(sinks, lse, o, do))
 
 
 _splash_ring.defvjp(_splash_ring_fwd, _splash_ring_bwd)
@@ -205,23 +200,28 @@ _splash_ring.defvjp(_splash_ring_fwd, _splash_ring_bwd)
 
 def splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_name: str, is_causal=False,
                           local_window_size=None, scale=None, logits_soft_cap=None, sinks=None, kv_seg_BT=None,
-                          kv_pos_BT=None, interpret: bool = False, natural_positions: bool = False):
+                          kv_pos_BT=None, interpret: bool = False, natural_positions: bool = False, span_BT=None,
+                          kv_span_BT=None):
     """As :func:`ring_attention` with the splash kernel in every step (windows over chunks of at most
     ``_splash.MAX_WINDOW_KEYS`` keys).
 
     ``interpret=True`` runs the Pallas kernels in interpret mode (any backend; for tests).
     ``natural_positions=True``: the caller states that ``pos_BT`` is this device's chunk of
     ``arange(S)`` (the ring's chunks in device order, no segment ids, no window); each step's mask is
-    then known when traced (``_splash.ring_prepare``'s ``natural``): no sort at run time."""
+    then known when traced (``_splash.ring_prepare``'s ``natural``): no sort at run time.
+    ``span_BT`` / ``kv_span_BT``: bidirectional span ids (travelling with the keys; each causal step
+    then runs a second splash call for the keys after a query in its span)."""
     T = q_BTHd.shape[1]
     window = normalize_window(local_window_size)
-    reason = sp.splash_unsupported_reason(window=window, kv_len=k_BTKd.shape[1])
+    reason = sp.splash_unsupported_reason(window=window, kv_len=k_BTKd.shape[1], is_causal=is_causal,
+                                          spans=span_BT is not None)
     if reason:
         raise ValueError(f"kernel='splash' cannot run this ring: {reason}; use kernel='blockwise' (or 'auto').")
     qx, qm, home, step = sp.ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, scale=scale,
                                          is_causal=is_causal, interpret=interpret,
                                          soft_cap=bw.check_soft_cap(logits_soft_cap), kv_seg_BT=kv_seg_BT,
-                                         kv_pos_BT=kv_pos_BT, window=window, natural=natural_positions)
+                                         kv_pos_BT=kv_pos_BT, window=window, natural=natural_positions,
+                                         span_BT=span_BT, kv_span_BT=kv_span_BT)
     sinks = bw.varying_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT)
     o = _splash_ring(qx, qm, home, sinks, axis_name, step)
     return jnp.swapaxes(o[:, :, :T], 1, 2)
@@ -297,17 +297,18 @@ class Ring(KVExchange):
         pos, seg = seq_chunk(meta.pos, (COLOSSAL,)), seq_chunk(meta.seg, (COLOSSAL,))
         kv_seg, kv_pos = seq_chunk(meta.kv_seg, (COLOSSAL,)), seq_chunk(meta.kv_pos, (COLOSSAL,))
         step = self.kernel(spec, q_BTHd, k_BTKd, seg is not None, meta.span is not None)
+        span, kv_span = seq_chunk(meta.span, (COLOSSAL,)), seq_chunk(meta.kv_span, (COLOSSAL,))
         if step == _kernels.SPLASH:
-            natural = meta.natural and normalize_window(spec.local_window_size) is None
+            natural = meta.natural and normalize_window(spec.local_window_size) is None and span is None
             return splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL,
                                          is_causal=spec.is_causal, local_window_size=spec.local_window_size,
                                          scale=spec.scale,
                                          logits_soft_cap=spec.logits_soft_cap, sinks=sinks, kv_seg_BT=kv_seg,
                                          kv_pos_BT=kv_pos, interpret=_kernels.target_platform() != "tpu",
-                                         natural_positions=natural)
+                                         natural_positions=natural, span_BT=span, kv_span_BT=kv_span)
         return ring_attention(q_BTHd, k_BTKd, v_BTKd, pos, seg, axis_name=COLOSSAL, is_causal=spec.is_causal,
                               local_window_size=spec.local_window_size, scale=spec.scale, block_q=spec.block_q,
                               block_kv=spec.block_kv, logits_soft_cap=spec.logits_soft_cap, sinks=sinks,
                               return_max_logits=spec.record_max_logits, return_residual=spec.return_residual,
                               kv_seg_BT=kv_seg, kv_pos_BT=kv_pos, kernel=step,
-                              span_BT=seq_chunk(meta.span, (COLOSSAL,)), kv_span_BT=seq_chunk(meta.kv_span, (COLOSSAL,)))
+                              span_BT=span, kv_span_BT=kv_span)

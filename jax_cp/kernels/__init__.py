@@ -77,7 +77,8 @@ def select_kernel(kernel, *, platform: str, is_causal: bool, window, has_segment
             returns the max logits, returns the residual.
         kv_len: keys per kernel call (splash takes windows over at most
             ``_splash.MAX_WINDOW_KEYS``; ``None``: not known, assumed to fit).
-        spans: span ids are given (blockwise, pallas_gpu and ``"xla"`` take them).
+        spans: span ids are given (blockwise, splash, pallas_gpu and ``"xla"`` take them; splash over at most
+            ``_splash.MAX_WINDOW_KEYS`` keys a call).
 
     Returns:
         The :class:`Kernel` to run.
@@ -120,7 +121,7 @@ def local_attention(
         natural_positions: both sides' positions are ``arange(S)`` (self-attention, no segment
             ids): splash then builds its mask when traced instead of sorting keys at run time;
             the other kernels read the positions.
-        q_span_ids, kv_span_ids: bidirectional span ids (0: none; blockwise, pallas_gpu, ``"xla"``), or None.
+        q_span_ids, kv_span_ids: bidirectional span ids (0: none; every kernel but cuDNN), or None.
 
     Returns:
         ``o`` ``[B, T, H, dv]``, then ``max_logits`` and/or the log-sum-exp when asked.

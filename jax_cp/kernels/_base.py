@@ -36,7 +36,7 @@ class Kernel:
         """``unsupported_reason``, and span ids (``spans``) for a kernel that does not take them."""
         if spans and not self.takes_spans:
             return f"span ids (span_ids) are not among the {self.label or self.name} kernel's mask inputs"
-        return self.unsupported_reason(**needs)
+        return self.unsupported_reason(**needs, **({"spans": True} if spans else {}))
 
     def check(self, *, platform: str, **needs) -> None:
         """``ValueError`` when an explicit choice of this kernel cannot serve the call."""

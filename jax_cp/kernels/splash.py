@@ -11,14 +11,17 @@ __all__ = ["Splash"]
 
 @register
 class Splash(Kernel):
-    """``splash``: windows over at most ``_splash.MAX_WINDOW_KEYS`` keys a call, no max-logit statistic
+    """``splash``: windows and span ids over at most ``_splash.MAX_WINDOW_KEYS`` keys a call, no max-logit statistic
     and no residual gradient; needs JAX's private splash backward (``_splash.unavailable_reason``)."""
 
     name = "splash"
     merges_lse = True
+    takes_spans = True  # causal spans: a second call per row, over at most _splash.MAX_WINDOW_KEYS keys
 
-    def unsupported_reason(self, *, window=None, kv_len=None, max_logits=False, residual=False, **_) -> str | None:
-        return splash_unsupported_reason(window=window, kv_len=kv_len, max_logits=max_logits, residual=residual)
+    def unsupported_reason(self, *, window=None, kv_len=None, max_logits=False, residual=False, spans=False,
+                           is_causal=True, **_) -> str | None:
+        return splash_unsupported_reason(window=window, kv_len=kv_len, max_logits=max_logits, residual=residual,
+                                         spans=spans, is_causal=is_causal)
 
     def attend(self, q_BTHd, k_BSKd, v_BSKd, *, natural_positions=False, block_q=None, block_kv=None,
                return_max_logits=False, return_residual=False, **kw):
