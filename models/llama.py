@@ -254,6 +254,15 @@ class Llama(nnx.Module):
             head = nnx.initializers.lecun_normal()(rngs.params(), (D, V), jnp.float32)
             self.head = _param(mesh, sharding, head, P(None, TP))
 
+    def use_kv_exchange(self, kv_exchange) -> None:
+        """Every layer's ``CPAttention`` runs ``kv_exchange`` (a ``jax_cp.exchanges`` value or name) from now on.
+
+        For a batch's own exchange (``Dispatch.kv_exchange``) inside a jitted step: call it on the
+        model merged there, with the exchange a static argument of the step (one program a value).
+        """
+        for block in self.blocks:
+            block.attn.spec = block.attn.spec.replace(kv_exchange=kv_exchange)
+
     def init_cache(self, batch_size: int, max_length: int, dtype=None):
         """Every layer's KV cache (``jax_cp.CPAttention.init_cache``; ``dtype`` defaults to the model's)."""
         for block in self.blocks:

@@ -6,7 +6,11 @@ its packed rows each put in the order a dispatch plan of the batch gives, so the
 CP ranks get equal attention work) -> loss and gradients (bfloat16 compute,
 float32 parameters) -> AdamW with gradient clipping and warmup + cosine decay.
 Each step logs the slowest CP rank's attention work over the mean, for the order
-used and for the dual-chunk order of the same batch. Writes ``OUT/metrics.jsonl``,
+used and for the dual-chunk order of the same batch. With the dispatch order and
+``--kv-exchange auto`` (the defaults), each step's attention moves only the K/V
+blocks its queries may see: the batch's plan's ``Attended`` exchange, a static
+argument of the step (at most ``MAX_EXCHANGES`` compiled steps a run), where that
+moves less than the configured exchange. Writes ``OUT/metrics.jsonl``,
 ``OUT/loss.png``, ``OUT/summary.json`` and orbax checkpoints (atomic: a kill
 during a save leaves the previous one usable); ``--resume`` continues from the
 latest one with the same data order. ``--plan TOPOLOGY`` compiles one training
@@ -42,6 +46,7 @@ __all__ = ["TrainConfig", "global_batch", "main", "parse_args", "run"]
 
 PROG = "python -m models.train"
 BALANCES = ("dispatch", "dual-chunk")  # --balance: a plan per batch (jax_cp.load_balance.plan), or one fixed order
+MAX_EXCHANGES = 4  # K/V exchanges (so compiled steps) a run uses at most: the configured one and Attended values
 
 
 class UsageError(ValueError):
@@ -190,7 +195,9 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=d.weight_decay)
     g.add_argument("--clip", type=float, default=d.clip, help="global gradient-norm clip")
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default=d.dtype, help="compute dtype")
-    g.add_argument("--kv-exchange", default=d.kv_exchange, help="colossal K/V exchange (see jax_cp)")
+    g.add_argument("--kv-exchange", default=d.kv_exchange,
+                   help="colossal K/V exchange (see jax_cp); auto with --balance dispatch: each batch's plan's "
+                        "Attended exchange (only the K/V blocks a rank's queries may see), where it moves less")
     g.add_argument("--kernel", default=d.kernel, help="local attention kernel (see jax_cp.kernels)")
     g.add_argument("--overlap-chunks", type=int_or_auto, default=d.overlap_chunks,
                    help="head chunks per attention layer, to overlap exchanges with compute (see jax_cp)")
@@ -287,6 +294,21 @@ class Setup:
     dual_chunk: np.ndarray | None  # the dual-chunk order [S] (natural index at each slot), where cp_colossal > 1
     batch_sharding: NamedSharding
     prefix_lm: float | None = None  # the prefix-LM share of each document (TrainConfig.prefix_lm), or None
+    per_batch_exchange: bool = False  # each step takes its batch's plan's K/V exchange (global_batch's "kv_exchange")
+    exchange_note: str = ""  # the K/V exchange the steps run, in the log's words
+
+
+def _exchange_policy(cfg: TrainConfig, balance: str | None) -> tuple[bool, str]:
+    """Whether each step runs its batch's dispatch-plan exchange (``Attended``), and the log's words for it."""
+    if cfg.kv_exchange != "auto":
+        return False, f"--kv-exchange {cfg.kv_exchange} on every step"
+    if balance != "dispatch":
+        return False, "auto on every step (no dispatch plan to size an Attended exchange)"
+    if cfg.prefix_lm:
+        return False, ("auto on every step, not the dispatch plan's Attended exchange: it takes no span_ids "
+                       "(--prefix-lm)")
+    return True, ("the dispatch plan's Attended exchange per batch (auto where a rank's queries need every key, or "
+                  f"past {MAX_EXCHANGES - 1} values)")
 
 
 def setup(cfg: TrainConfig, devices=None) -> Setup:
@@ -314,7 +336,7 @@ def setup(cfg: TrainConfig, devices=None) -> Setup:
     if dims.c > 1 and cfg.seq_len % (2 * dims.c) == 0:
         dual_chunk = np.asarray(load_balance.positions(cfg.seq_len, mesh))  # natural index of each balanced slot
     return Setup(mesh, train_windows, eval_windows, balance, dual_chunk, NamedSharding(mesh, Sharding().tokens_BS),
-                 cfg.prefix_lm)
+                 cfg.prefix_lm, *_exchange_policy(cfg, balance))
 
 
 def global_batch(s: Setup, windows: data_lib.Windows, step: int, batch: int) -> tuple[dict, dict]:
@@ -324,7 +346,9 @@ def global_batch(s: Setup, windows: data_lib.Windows, step: int, batch: int) -> 
     key) pairs over the mean (worst dp shard) in the order used, ``balance["imbalance_dual_chunk"]``
     the same for the dual-chunk order of the same rows (``None`` where it does not exist), over this
     process's dp shards. A dispatch plan reorders each row its own way: the arrays keep their shapes
-    and dtypes, so the step compiles once.
+    and dtypes, so the order alone does not recompile the step. ``balance["kv_exchange"]``: where
+    ``s.per_batch_exchange``, the ``Attended`` exchange serving every dp shard's plan (the same on
+    every process), or ``None`` where a rank's queries need every key; else ``None``.
     """
     dims = jax_cp.mesh_dims(s.mesh)
     rows = data_lib.process_rows(s.batch_sharding, batch, windows.seq_len)
@@ -335,15 +359,51 @@ def global_batch(s: Setup, windows: data_lib.Windows, step: int, batch: int) -> 
     measure = lambda balanced: load_balance.fixed(local["segment_ids"], held, balanced=balanced,
                                                   positions=local["positions"],
                                                   span_ids=local.get("span_ids")).imbalance()
+    exchange = None
     if s.balance == "dispatch":
         plans = data_lib.plan_rows(local, s.mesh, rows, batch)  # one per dp shard
         order, used = np.concatenate([d.perm for d in plans]), max(d.imbalance() for d in plans)
+        exchange = _planned_exchange(plans) if s.per_batch_exchange else None
     else:
         order = s.dual_chunk if s.balance == "dual-chunk" else None
         used = measure(s.balance == "dual-chunk")
     dual = None if s.dual_chunk is None else measure(True)
     return data_lib.place(local, s.batch_sharding, batch, order=order), {"imbalance": used,
-                                                                         "imbalance_dual_chunk": dual}
+                                                                         "imbalance_dual_chunk": dual,
+                                                                         "kv_exchange": exchange}
+
+
+def _planned_exchange(plans: list[load_balance.Dispatch]):
+    """The ``Attended`` exchange serving every plan (the largest buffers, agreed by every process: each
+    plans its own dp shards), or ``None`` where some rank's queries need all the other ranks' keys."""
+    exchanges = [d.kv_exchange for d in plans]  # one block length per batch shape
+    sizes = np.max([ex.sizes for ex in exchanges], axis=0)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        sizes = np.asarray(multihost_utils.process_allgather(sizes)).max(axis=0)
+    if sizes.max() * exchanges[0].block >= plans[0].perm.shape[1] // plans[0].dims.c:
+        return None  # the configured exchange moves those bytes without Attended's block bookkeeping
+    return jax_cp.exchanges.Attended(block=exchanges[0].block, sizes=tuple(int(n) for n in sizes))
+
+
+class _ExchangeCap:
+    """At most ``MAX_EXCHANGES`` exchanges a run: the configured one (``None``) and the first
+    ``MAX_EXCHANGES - 1`` ``Attended`` values; a batch wanting another takes the smallest of those
+    whose buffers hold its blocks, else the configured one. Deterministic, so every process agrees."""
+
+    def __init__(self):
+        self.used: list = []
+
+    def __call__(self, exchange):
+        """The exchange a batch wanting ``exchange`` (``None``: the configured one) runs."""
+        if exchange is None or exchange in self.used:
+            return exchange
+        if len(self.used) < MAX_EXCHANGES - 1:
+            self.used.append(exchange)
+            return exchange
+        fits = [ex for ex in self.used if all(a >= b for a, b in zip(ex.sizes, exchange.sizes, strict=True))]
+        return min(fits, key=lambda ex: ex.received_tokens(), default=None)
 
 
 def _check_batch(cfg: TrainConfig, dp: int) -> None:
@@ -460,9 +520,12 @@ def _init_fn(cfg: TrainConfig, mesh, tx):
 
 
 def _train_step_fn(graphdef):
-    """``(state, batch) -> (state, metrics)``: loss, gradients and the optimizer update of one step."""
-    def train_step(state, batch):
+    """``(state, batch, kv_exchange=None) -> (state, metrics)``: loss, gradients and the optimizer update of
+    one step; ``kv_exchange`` (static: hashable): every attention layer's exchange, ``None`` the model's own."""
+    def train_step(state, batch, kv_exchange=None):
         model, opt = nnx.merge(graphdef, state)
+        if kv_exchange is not None:
+            model.use_kv_exchange(kv_exchange)
         (loss, _), grads = nnx.value_and_grad(next_token_loss, has_aux=True)(model, batch)
         opt.update(model, grads)
         return nnx.state((model, opt)), {"loss": loss, "grad_norm": optax.global_norm(grads)}
@@ -539,7 +602,8 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
         model, _ = nnx.merge(graphdef, state)
         return next_token_loss(model, batch)
 
-    train_step = jax.jit(train_step, out_shardings=(shardings, None), donate_argnums=0)
+    train_step = jax.jit(train_step, out_shardings=(shardings, None), donate_argnums=0,
+                         static_argnames="kv_exchange")  # one program per exchange value
     eval_step = jax.jit(eval_step)
 
     mngr = _manager(cfg) if (cfg.checkpoint_every or cfg.resume) else None
@@ -569,26 +633,31 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
         fh = open(out / "metrics.jsonl", "a" if cfg.resume else "w")
     dims = jax_cp.mesh_dims(s.mesh)
     _log(fh, {"event": "start", "step": start, "processes": jax.process_count(), "devices": jax.device_count(),
-              "mesh": dataclasses.asdict(dims), "config": dataclasses.asdict(cfg)})
+              "mesh": dataclasses.asdict(dims), "config": dataclasses.asdict(cfg), "kv_exchange": s.exchange_note})
     tokens_per_step = cfg.batch * cfg.seq_len
-    losses, eval_loss, compile_s, timed_s, balances = {}, None, None, 0.0, []
+    losses, eval_loss, compile_s, timed_s, n_timed, balances, exchanges = {}, None, 0.0, 0.0, 0, [], {}
+    cap = _ExchangeCap()
     bar = tqdm(total=cfg.steps, initial=start, disable=not (main_process and cfg.progress), dynamic_ncols=True,
                mininterval=1.0, file=sys.stderr, desc=f"train {cfg.model}")
     with jax.set_mesh(s.mesh):
         for step in range(start + 1, cfg.steps + 1):
             t_step = time.perf_counter()
             batch, balance = global_batch(s, s.train_windows, step - 1, cfg.batch)
-            state, metrics = train_step(state, batch)
+            exchange, programs = cap(balance.pop("kv_exchange")), train_step._cache_size()
+            state, metrics = train_step(state, batch, kv_exchange=exchange)
             loss = float(metrics["loss"])
             now = time.perf_counter()
-            if compile_s is None:
-                compile_s = now - t_step  # the first step compiles; it is left out of the throughput
+            if train_step._cache_size() > programs:  # it compiled (the first step, a new exchange's first)
+                compile_s += now - t_step  # left out of the throughput
             else:
-                timed_s += now - t_step
+                timed_s, n_timed = timed_s + now - t_step, n_timed + 1
             losses[step] = loss
-            tps = tokens_per_step * (step - start - 1) / timed_s if timed_s else None
+            tps = tokens_per_step * n_timed / timed_s if timed_s else None
+            name = cfg.kv_exchange if exchange is None else str(exchange)
+            exchanges[name] = exchanges.get(name, 0) + 1
             record = {"event": "train", "step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                      "lr": float(schedule(step - 1)), "step_s": now - t_step, "tokens_per_s": tps, **balance}
+                      "lr": float(schedule(step - 1)), "step_s": now - t_step, "tokens_per_s": tps, **balance,
+                      "kv_exchange": name}
             _log(fh, record)
             balances.append(balance)
             bar.set_postfix({"loss": f"{loss:.3f}", "tok_s": f"{tps or 0:.0f}", **_balance_postfix(balance)},
@@ -613,7 +682,6 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
         mngr.wait_until_finished()
         mngr.close()
     last = max(losses)
-    n_timed = last - start - 1
     summary = {
         "model": cfg.model, "mesh": dataclasses.asdict(dims), "processes": jax.process_count(),
         "devices": jax.device_count(), "platform": jax.default_backend(), "start_step": start,
@@ -622,7 +690,8 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step * n_timed / timed_s if n_timed else None,
         "compile_s": compile_s, "wall_s": time.perf_counter() - t0, "balance": s.balance,
-        "step_compiles": train_step._cache_size(),  # one: a second would mean a retrace of the step
+        "step_compiles": train_step._cache_size(),  # one per K/V exchange used: more would mean a retrace
+        "kv_exchange": s.exchange_note, "kv_exchange_steps": exchanges,
         **{f"{k}_mean": _mean([b[k] for b in balances]) for k in ("imbalance", "imbalance_dual_chunk")},
         "losses": losses,
     }
@@ -651,6 +720,12 @@ def _balance_line(summary: dict) -> str:
     return (f"attention work of the slowest CP rank / mean, over steps {summary['start_step'] + 1}-"
             f"{summary['steps']}: {summary['imbalance_mean']:.4f} ({summary['balance'] or 'natural order'})"
             + ("" if dual is None else f", dual-chunk order {dual:.4f}"))
+
+
+def _exchange_line(summary: dict) -> str:
+    """One line: the K/V exchange the steps ran, and on how many steps each value (one compiled step each)."""
+    steps = ", ".join(f"{name} {n}" for name, n in summary["kv_exchange_steps"].items())
+    return f"K/V exchange: {summary['kv_exchange']}; steps per value: {steps}"
 
 
 def read_metrics(path) -> tuple[dict[int, float], dict[int, float]]:
@@ -717,6 +792,7 @@ def main(argv=None) -> None:
               f"{summary['wall_s']:.0f} s (compile {summary['compile_s']:.0f} s, the step compiled "
               f"{summary['step_compiles']} time(s)); logs in {cfg.out}")
         print(_balance_line(summary))
+        print(_exchange_line(summary))
 
 
 if __name__ == "__main__":

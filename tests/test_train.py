@@ -210,7 +210,8 @@ def test_prefix_lm_spans_and_weights():
 @needs_devices(8)
 def test_prefix_lm_trains_like_one_device(short_docs, tmp_path):
     """``--prefix-lm``: on a (2,2,2) mesh in the dispatch order (span ids reordered with the tokens)
-    the losses equal one device's, and differ from plain next-token training."""
+    the losses equal one device's, and differ from plain next-token training; the steps keep the configured
+    K/V exchange (the dispatch plan's takes no span ids) and the closing line says so."""
     common = dict(model="tiny", seq_len=64, batch=2, steps=3, warmup=1, dtype="float32", data=str(short_docs),
                   checkpoint_every=0, eval_batches=0, progress=False)
     cp = train.run(train.TrainConfig(cp_colossal=2, cp_ulysses=2, tp=2, prefix_lm=0.3, out=str(tmp_path / "cp"),
@@ -221,6 +222,8 @@ def test_prefix_lm_trains_like_one_device(short_docs, tmp_path):
     np.testing.assert_allclose([cp["losses"][s] for s in steps], [one["losses"][s] for s in steps],
                                **TOL[jnp.dtype(jnp.float32)])
     assert abs(plain["losses"][1] - one["losses"][1]) > 1e-3
+    # The dispatch plan's Attended exchange takes no span_ids: the steps keep "auto", and the log says why.
+    assert cp["kv_exchange_steps"] == {"auto": 3} and "--prefix-lm" in train._exchange_line(cp)
 
 
 @needs_devices(8)
@@ -278,7 +281,8 @@ def test_global_batch_in_the_dispatch_order_of_each_row(short_docs, monkeypatch)
         np.testing.assert_array_equal(np.asarray(trained[k]), np.concatenate([w[k] for w in shard_want]), err_msg=k)
     fixed = jax_cp.load_balance.fixed(natural["segment_ids"], mesh, positions=natural["positions"])
     np.testing.assert_array_equal(fixed.perm, np.broadcast_to(dual, (B, S)))
-    assert balance == {"imbalance": max(d.imbalance() for d in plans), "imbalance_dual_chunk": fixed.imbalance()}
+    assert balance == {"imbalance": max(d.imbalance() for d in plans), "imbalance_dual_chunk": fixed.imbalance(),
+                       "kv_exchange": None}  # the trainer's setup asks for the plans' exchange (per_batch_exchange)
 
     rows, cols = np.array([2, 3]), np.arange(8, 24)  # dp shard 1; the columns of CP devices 1 and 2
     monkeypatch.setattr(data_lib, "_process_indices", lambda sharding, shape: (rows, cols))
@@ -340,6 +344,58 @@ def test_dispatch_plan_balances_packed_rows_and_trains_like_dual_chunk(short_doc
     steps = sorted(dual["losses"])
     np.testing.assert_allclose([planned["losses"][s] for s in steps], [dual["losses"][s] for s in steps], **tol)
     np.testing.assert_allclose(planned["eval_loss"], dual["eval_loss"], **tol)
+
+
+@needs_devices(8)
+def test_dispatch_steps_run_the_batch_attended_exchange(short_docs, tmp_path):
+    """Dispatch order with kv_exchange auto: a step whose batch's plan leaves each rank needing only some of
+    the other's K/V blocks runs that plan's Attended exchange (the trainer logs the value it chose), and
+    its loss equals the all-gather's on the same batch and parameters (the steps before it run the same
+    program in both runs); the step compiles once per exchange value and the closing line counts them."""
+    common = dict(model="tiny", seq_len=64, batch=2, steps=3, warmup=1, seed=2, dtype="float32", data=str(short_docs),
+                  cp_colossal=2, cp_ulysses=2, tp=2, checkpoint_every=0, eval_batches=0, progress=False)
+    cfg = train.TrainConfig(out=str(tmp_path / "attended"), **common)
+    s = train.setup(cfg)
+    wanted = [train.global_batch(s, s.train_windows, step, 2)[1]["kv_exchange"] for step in range(3)]
+    assert wanted[:2] == [None, None] and isinstance(wanted[2], jax_cp.exchanges.Attended), wanted
+    batch, _ = train.global_batch(s, s.train_windows, 2, 2)
+    need = jax_cp.exchanges.attended.needed_blocks(np.asarray(batch["positions"]), np.asarray(batch["segment_ids"]),
+                                                   2, wanted[2].block, is_causal=True)
+    assert 0 < need.max() <= wanted[2].sizes[0] and wanted[2].received_tokens() < 64 // 2  # less than all-gather
+    counter = _CountCompiles()
+    logging.getLogger("jax").addHandler(counter)
+    try:
+        with jax.log_compiles():
+            attended = train.run(cfg)
+    finally:
+        logging.getLogger("jax").removeHandler(counter)
+    gathered = train.run(train.TrainConfig(kv_exchange="all_gather", out=str(tmp_path / "gathered"), **common))
+    records = map(json.loads, (tmp_path / "attended" / "metrics.jsonl").read_text().splitlines())
+    logged = [r["kv_exchange"] for r in records if r["event"] == "train"]
+    assert logged == ["auto", "auto", str(wanted[2])]
+    assert attended["kv_exchange_steps"] == {"auto": 2, str(wanted[2]): 1}
+    assert counter.count == attended["step_compiles"] == 2
+    assert gathered["kv_exchange_steps"] == {"all_gather": 3} and gathered["step_compiles"] == 1
+    assert "Attended exchange per batch" in train._exchange_line(attended)
+    assert "--kv-exchange all_gather" in train._exchange_line(gathered)
+    np.testing.assert_allclose([attended["losses"][i] for i in (1, 2, 3)], [gathered["losses"][i] for i in (1, 2, 3)],
+                               **TOL[jnp.dtype(jnp.float32)])
+
+
+@needs_devices(8)
+def test_at_most_four_exchanges_a_run(short_docs):
+    """Over 100 packed batches whose plans want five exchange values, the trainer runs at most
+    ``MAX_EXCHANGES`` = 4 (so 4 compiled steps), each holding every block its batch needs."""
+    cfg = train.TrainConfig(model="tiny", seq_len=128, batch=2, cp_colossal=2, cp_ulysses=2, tp=2,
+                            data=str(short_docs), checkpoint_every=0)
+    s = train.setup(cfg)
+    wanted = [train.global_batch(s, s.train_windows, step, 2)[1]["kv_exchange"] for step in range(100)]
+    cap = train._ExchangeCap()
+    chosen = [cap(ex) for ex in wanted]
+    assert len(set(wanted)) > train.MAX_EXCHANGES == 4 >= len(set(chosen)) and None in chosen, set(wanted)
+    for want, got in zip(wanted, chosen):
+        serves = want is None or got is None or all(g >= w for g, w in zip(got.sizes, want.sizes, strict=True))
+        assert serves and (got is None) >= (want is None), (want, got)
 
 
 @needs_devices(8)
