@@ -108,22 +108,42 @@ class Dispatch:
     def kv_exchange(self) -> _attended.Attended:
         """The K/V exchange for this batch (``kv_exchange=`` of attention on the dispatched order, with the
         mask the plan was given): each rank receives only the key blocks its queries may see
-        (``jax_cp.exchanges.Attended``), its buffers bucketed so a run compiles a handful of values."""
+        (``jax_cp.exchanges.Attended``, one ragged all-to-all), its buffers bucketed so a run compiles
+        a handful of values."""
         return self.kv_exchange_for(is_causal=self.is_causal, local_window_size=self.window)
 
-    def kv_exchange_for(self, *, is_causal: bool = True, local_window_size=None) -> _attended.Attended:
+    def kv_exchange_for(self, *, is_causal: bool = True, local_window_size=None,
+                        transport: str = "ragged") -> _attended.Attended:
         """As :attr:`kv_exchange`, for a layer with another mask on the same batch (e.g. a model mixing
-        sliding-window and global layers: a window's layers move about a window of keys)."""
+        sliding-window and global layers: a window's layers move about a window of keys).
+
+        Args:
+            is_causal, local_window_size: the layer's mask.
+            transport: ``"ragged"`` (one ragged all-to-all; only the needed blocks travel) or
+                ``"ppermute"`` (a buffer per ring distance, each the size of the largest need at any
+                distance).
+
+        Returns:
+            The :class:`~jax_cp.exchanges.Attended` value.
+
+        Raises:
+            ValueError: read inside ``jit``, or a bad argument.
+        """
         if isinstance(self.blocks, jax.core.Tracer):
             raise ValueError("Dispatch.kv_exchange is read on the host (its sizes set the compiled program): take "
                              "it before jit and pass it as a static argument, or close over it.")
         if not isinstance(is_causal, bool):
             raise ValueError(f"is_causal={is_causal!r} must be True or False.")
+        if transport not in ("ragged", "ppermute"):
+            raise ValueError(f"transport={transport!r} must be 'ragged' or 'ppermute'.")
         blocks = np.asarray(self.blocks)
         summary = _attended.block_summary_of(blocks)
         counts = _attended.needed_from_summary(summary, self.dims.c, is_causal=is_causal,
                                                local_window_size=local_window_size)
-        return _attended.exchange_for(counts, self.perm.shape[1] // blocks.shape[1], blocks.shape[1] // self.dims.c)
+        block, per_rank = self.perm.shape[1] // blocks.shape[1], blocks.shape[1] // self.dims.c
+        if transport == "ragged":
+            return _attended.ragged_exchange_for(counts, block, per_rank, self.dims.dp)
+        return _attended.exchange_for(counts, block, per_rank)
 
 
 jax.tree_util.register_dataclass(Dispatch, data_fields=["perm", "inverse", "positions", "chunks", "pairs", "blocks"],

@@ -376,15 +376,17 @@ def global_batch(s: Setup, windows: data_lib.Windows, step: int, batch: int) -> 
 def _planned_exchange(plans: list[load_balance.Dispatch]):
     """The ``Attended`` exchange serving every plan (the largest buffers, agreed by every process: each
     plans its own dp shards), or ``None`` where some rank's queries need all the other ranks' keys."""
-    exchanges = [d.kv_exchange for d in plans]  # one block length per batch shape
-    sizes = np.max([ex.sizes for ex in exchanges], axis=0)
+    exchanges = [d.kv_exchange for d in plans]  # one block length and transport per batch shape
+    buffers = np.max([ex.buffers() for ex in exchanges], axis=0)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        sizes = np.asarray(multihost_utils.process_allgather(sizes)).max(axis=0)
-    if sizes.max() * exchanges[0].block >= plans[0].perm.shape[1] // plans[0].dims.c:
-        return None  # the configured exchange moves those bytes without Attended's block bookkeeping
-    return jax_cp.exchanges.Attended(block=exchanges[0].block, sizes=tuple(int(n) for n in sizes))
+        buffers = np.asarray(multihost_utils.process_allgather(buffers)).max(axis=0)
+    rows, S, c = plans[0].perm.shape[0], plans[0].perm.shape[1], plans[0].dims.c
+    every = rows * (S - S // c) if exchanges[0].capacity is not None else S // c  # every other rank's keys
+    if buffers.max() * exchanges[0].block >= every:
+        return None  # buffers for every key: the configured exchange, without Attended's block bookkeeping
+    return exchanges[0].with_buffers(buffers)
 
 
 class _ExchangeCap:
@@ -402,7 +404,7 @@ class _ExchangeCap:
         if len(self.used) < MAX_EXCHANGES - 1:
             self.used.append(exchange)
             return exchange
-        fits = [ex for ex in self.used if all(a >= b for a, b in zip(ex.sizes, exchange.sizes, strict=True))]
+        fits = [ex for ex in self.used if ex.holds(exchange)]
         return min(fits, key=lambda ex: ex.received_tokens(), default=None)
 
 

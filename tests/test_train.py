@@ -352,16 +352,22 @@ def test_dispatch_steps_run_the_batch_attended_exchange(short_docs, tmp_path):
     the other's K/V blocks runs that plan's Attended exchange (the trainer logs the value it chose), and
     its loss equals the all-gather's on the same batch and parameters (the steps before it run the same
     program in both runs); the step compiles once per exchange value and the closing line counts them."""
-    common = dict(model="tiny", seq_len=64, batch=2, steps=3, warmup=1, seed=2, dtype="float32", data=str(short_docs),
-                  cp_colossal=2, cp_ulysses=2, tp=2, checkpoint_every=0, eval_batches=0, progress=False)
+    common = dict(model="tiny", seq_len=128, batch=2, steps=3, warmup=1, seed=2, dtype="float32",
+                  data=str(short_docs), cp_colossal=2, cp_ulysses=2, tp=2, checkpoint_every=0, eval_batches=0,
+                  progress=False)
     cfg = train.TrainConfig(out=str(tmp_path / "attended"), **common)
     s = train.setup(cfg)
     wanted = [train.global_batch(s, s.train_windows, step, 2)[1]["kv_exchange"] for step in range(3)]
-    assert wanted[:2] == [None, None] and isinstance(wanted[2], jax_cp.exchanges.Attended), wanted
-    batch, _ = train.global_batch(s, s.train_windows, 2, 2)
-    need = jax_cp.exchanges.attended.needed_blocks(np.asarray(batch["positions"]), np.asarray(batch["segment_ids"]),
-                                                   2, wanted[2].block, is_causal=True)
-    assert 0 < need.max() <= wanted[2].sizes[0] and wanted[2].received_tokens() < 64 // 2  # less than all-gather
+    assert any(isinstance(w, jax_cp.exchanges.Attended) for w in wanted), wanted  # None: every key (auto)
+    for step, want in enumerate(wanted):
+        if want is None:
+            continue
+        batch, _ = train.global_batch(s, s.train_windows, step, 2)
+        need = jax_cp.exchanges.attended.needed_blocks(np.asarray(batch["positions"]),
+                                                       np.asarray(batch["segment_ids"]), 2, want.block, is_causal=True)
+        per_device = need.sum(axis=0)  # [receiver, sender]: both rows on every device (dp = 1)
+        assert 0 < max(per_device.sum(0).max(), per_device.sum(1).max()) <= want.capacity
+        assert want.received_tokens() < 2 * 128 // 2  # less than the all-gather brings each device
     counter = _CountCompiles()
     logging.getLogger("jax").addHandler(counter)
     try:
@@ -372,9 +378,9 @@ def test_dispatch_steps_run_the_batch_attended_exchange(short_docs, tmp_path):
     gathered = train.run(train.TrainConfig(kv_exchange="all_gather", out=str(tmp_path / "gathered"), **common))
     records = map(json.loads, (tmp_path / "attended" / "metrics.jsonl").read_text().splitlines())
     logged = [r["kv_exchange"] for r in records if r["event"] == "train"]
-    assert logged == ["auto", "auto", str(wanted[2])]
-    assert attended["kv_exchange_steps"] == {"auto": 2, str(wanted[2]): 1}
-    assert counter.count == attended["step_compiles"] == 2
+    names = ["auto" if w is None else str(w) for w in wanted]
+    assert logged == names and attended["kv_exchange_steps"] == {n: names.count(n) for n in names}
+    assert counter.count == attended["step_compiles"] == len(set(wanted))
     assert gathered["kv_exchange_steps"] == {"all_gather": 3} and gathered["step_compiles"] == 1
     assert "Attended exchange per batch" in train._exchange_line(attended)
     assert "--kv-exchange all_gather" in train._exchange_line(gathered)
@@ -384,17 +390,21 @@ def test_dispatch_steps_run_the_batch_attended_exchange(short_docs, tmp_path):
 
 @needs_devices(8)
 def test_at_most_four_exchanges_a_run(short_docs):
-    """Over 100 packed batches whose plans want five exchange values, the trainer runs at most
+    """Over 100 packed batches the plans want a handful of exchange values (the ragged transport's
+    capacities are powers of two); wanting more (``ppermute`` buffers), the trainer still runs at most
     ``MAX_EXCHANGES`` = 4 (so 4 compiled steps), each holding every block its batch needs."""
     cfg = train.TrainConfig(model="tiny", seq_len=128, batch=2, cp_colossal=2, cp_ulysses=2, tp=2,
                             data=str(short_docs), checkpoint_every=0)
     s = train.setup(cfg)
-    wanted = [train.global_batch(s, s.train_windows, step, 2)[1]["kv_exchange"] for step in range(100)]
+    batches = [train.global_batch(s, s.train_windows, step, 2)[1]["kv_exchange"] for step in range(100)]
+    assert len(set(batches)) <= train.MAX_EXCHANGES == 4, set(batches)
+    wanted = [None if ex is None else jax_cp.exchanges.Attended(block=ex.block, sizes=(1 + i % 5,))  # five values
+              for i, ex in enumerate(batches)]
     cap = train._ExchangeCap()
     chosen = [cap(ex) for ex in wanted]
-    assert len(set(wanted)) > train.MAX_EXCHANGES == 4 >= len(set(chosen)) and None in chosen, set(wanted)
+    assert len(set(wanted)) > train.MAX_EXCHANGES >= len(set(chosen)) and None in chosen, set(wanted)
     for want, got in zip(wanted, chosen):
-        serves = want is None or got is None or all(g >= w for g, w in zip(got.sizes, want.sizes, strict=True))
+        serves = want is None or got is None or got.holds(want)
         assert serves and (got is None) >= (want is None), (want, got)
 
 

@@ -13,9 +13,15 @@ metadata, so no index travels. The local kernel then attends the device's querie
 to its own K/V plus the received blocks, their positions and segment ids as data
 (unused buffer slots get segment id ``-1``: nothing sees them).
 
+With ``capacity`` instead of ``sizes`` (what ``Dispatch.kv_exchange`` gives), one
+``lax.ragged_all_to_all`` moves every rank's needed blocks at once: each sender packs
+the blocks for each receiver back to back, each receiver gets them back to back, and
+only the needed blocks travel (the sizes are run-time values; ``capacity`` bounds the
+buffers). Where the platform has no ragged all-to-all (XLA:CPU), the same call runs as
+an all-to-all of ``capacity``-block slices with the same result (``ragged_all_to_all``).
+
 Buffers are static (one compiled program per value). When some rank needs more
-blocks at some distance than its buffer holds, every device of the step takes
-the all-gather instead (one ``lax.cond`` on a flag summed over ``dp`` and
+blocks than its buffers hold, every device of the step takes the all-gather instead (one ``lax.cond`` on a flag summed over ``dp`` and
 ``cp_colossal``): the answer is exact for any order and any batch, only slower.
 Backward is autodiff: the gathers transpose to scatter-adds, each ``ppermute`` to
 the reverse one (dK/dV of a received block travel back in K/V's dtype; the
@@ -39,11 +45,12 @@ from jax import lax
 from jax_cp import kernels as _kernels
 from jax_cp._masks import normalize_window
 from jax_cp._mesh import COLOSSAL, DP, seq_chunk
+from jax_cp._platform import target_platform
 from jax_cp.exchanges._base import KVExchange, Meta, _unpair_kv, pair_kv
 from jax_cp.exchanges.all_gather import AllGather
 
 __all__ = ["Attended", "BLOCK", "block_length", "block_summary", "block_summary_of", "bucket", "exchange_for",
-           "needed_blocks", "needed_from_summary", "sees"]
+           "needed_blocks", "needed_from_summary", "ragged_all_to_all", "ragged_exchange_for", "sees"]
 
 BLOCK = 128  # tokens per exchanged block: one kernel tile, and at most this much unneeded K/V per boundary
 _BIG = np.iinfo(np.int32).max
@@ -58,12 +65,16 @@ class Attended(KVExchange):
       sizes: for ring distance ``k = 1..c-1`` (entry ``k-1``), the blocks every rank sends to
         rank ``(r + k) mod c`` (0: no transfer at that distance). ``len(sizes)`` must be
         ``cp_colossal - 1``.
+      capacity: instead of ``sizes``: one ragged all-to-all, each device sending and receiving at
+        most this many blocks (of any of its rows, to and from every rank together); only the
+        needed blocks travel.
     """
 
     name: ClassVar[str] = "attended"
     supplies_segments: ClassVar[bool] = True  # unused buffer slots are masked by segment id -1
     block: int = BLOCK
     sizes: tuple[int, ...] = ()
+    capacity: int | None = None
 
     def __post_init__(self):
         if isinstance(self.block, bool) or not isinstance(self.block, (int, np.integer)) or self.block < 1:
@@ -72,15 +83,40 @@ class Attended(KVExchange):
         if sizes is None or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0 for n in sizes):
             raise ValueError(f"Attended(sizes={self.sizes!r}) must be a tuple of ints >= 0, one per ring distance "
                              "1..cp_colossal-1 (take it from load_balance.plan(...).kv_exchange).")
+        cap = self.capacity
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 0 or sizes):
+            raise ValueError(f"Attended(capacity={cap!r}, sizes={self.sizes!r}): capacity must be an int >= 0 and "
+                             "then sizes empty (one ragged all-to-all instead of a buffer per ring distance).")
         object.__setattr__(self, "block", int(self.block))
         object.__setattr__(self, "sizes", tuple(int(n) for n in sizes))
+        object.__setattr__(self, "capacity", None if cap is None else int(cap))
 
     def __str__(self) -> str:
+        if self.capacity is not None:
+            return f"{self.name}(block={self.block}, capacity={self.capacity})"
         return f"{self.name}(block={self.block}, sizes={self.sizes})"
 
     def received_tokens(self) -> int:
-        """Key tokens every rank receives per row (all distances): what its K/V bytes scale with."""
-        return self.block * sum(self.sizes)
+        """Key tokens every rank receives per row (all distances; with ``capacity``: at most, per
+        device): what its K/V bytes scale with."""
+        return self.block * (sum(self.sizes) if self.capacity is None else self.capacity)
+
+    def buffers(self) -> tuple[int, ...]:
+        """Its buffer sizes in blocks: ``(capacity,)``, or ``sizes`` (one per ring distance)."""
+        return self.sizes if self.capacity is None else (self.capacity,)
+
+    def holds(self, other: "Attended") -> bool:
+        """Whether its buffers hold every block ``other``'s do (same block and transport): whatever
+        batch ``other`` serves without falling back to the all-gather, this value serves too."""
+        return (self.block == other.block and (self.capacity is None) == (other.capacity is None)
+                and len(self.buffers()) == len(other.buffers())
+                and all(a >= b for a, b in zip(self.buffers(), other.buffers())))
+
+    def with_buffers(self, buffers) -> "Attended":
+        """The same block and transport with these buffer sizes (``buffers()``'s form)."""
+        buffers = tuple(int(n) for n in buffers)
+        return Attended(block=self.block, capacity=buffers[0]) if self.capacity is not None else \
+            Attended(block=self.block, sizes=buffers)
 
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
         if meta.span is not None:  # its block summaries know no spans: it would drop visible keys
@@ -90,7 +126,7 @@ class Attended(KVExchange):
         kv = pair_kv(k_BTKd, v_BTKd)
         if c == 1:
             return _attend(q_BTHd, kv, meta, meta.keys_pos, meta.keys_seg, spec, sinks)
-        if len(self.sizes) != c - 1:
+        if self.capacity is None and len(self.sizes) != c - 1:
             raise ValueError(f"kv_exchange={self} has {len(self.sizes)} sizes, cp_colossal={c} needs {c - 1} (one per "
                              "ring distance); plan the batch for this mesh (load_balance.plan(...).kv_exchange).")
         U, Tk = self.block, kv.shape[1]
@@ -99,6 +135,8 @@ class Attended(KVExchange):
                              f"divisor of {Tk} (load_balance.plan(...).kv_exchange chooses one).")
         window = normalize_window(spec.local_window_size)
         plan = _Plan(meta, c, U, spec.is_causal, window)
+        if self.capacity is not None:
+            return _ragged_attend(q_BTHd, kv, meta, spec, sinks, plan, self.capacity)
         overflow = jnp.zeros((), jnp.int32)
         for k, n in enumerate(self.sizes, start=1):
             if n:
@@ -120,6 +158,85 @@ class Attended(KVExchange):
                            jnp.concatenate(seg, axis=1), spec, sinks, q_seg=plan.q_seg)
 
         return lax.cond(overflow > 0, lambda q, kv: _all_gathered(q, kv, meta, spec, sinks), selected, q_BTHd, kv)
+
+
+def _ragged_attend(q_BTHd, kv, meta: Meta, spec, sinks, plan: "_Plan", capacity: int):
+    """``Attended`` with ``capacity``: one ragged all-to-all of the needed blocks (or the all-gather
+    when some device would send or receive more than ``capacity`` blocks)."""
+    B, Tk = kv.shape[:2]
+    c, U, me = plan.c, plan.U, plan.me
+    cap = max(1, min(capacity, B * (Tk // U) * (c - 1)))  # no more than every other rank's blocks
+    need = plan.all_needs()  # [B, receiver, sender, block]
+    counts = need.sum(axis=(0, 3)).astype(jnp.int32)  # [receiver, sender], this device's rows
+    overflow = (counts.sum(0) > cap).any() | (counts.sum(1) > cap).any()
+    # One branch for every device: every rank of a colossal group counts the same, the dp groups agree here.
+    overflow = lax.psum(overflow.astype(jnp.int32), DP)
+
+    def selected(q, kv):
+        got, pos, seg = _ragged_blocks(kv, need, counts, plan, cap)
+        rows = pos.shape[0]  # every row's keys: its own, then the received blocks of that row
+        kv_all = jnp.concatenate([kv, jnp.broadcast_to(got[None], (rows, *got.shape))], axis=1)
+        return _attend(q, kv_all, meta, jnp.concatenate([plan.own_pos, pos], axis=1),
+                       jnp.concatenate([plan.own_seg, seg], axis=1), spec, sinks, q_seg=plan.q_seg)
+
+    return lax.cond(overflow > 0, lambda q, kv: _all_gathered(q, kv, meta, spec, sinks), selected, q_BTHd, kv)
+
+
+def _first(flags_CN, n: int):
+    """Indices of the ``True`` entries of ``flags [C, N]`` in row-major order, the first ``n`` (past the
+    last: any index)."""
+    idx = jnp.arange(flags_CN.size, dtype=jnp.int32)
+    return jnp.argsort(jnp.where(flags_CN.reshape(-1), idx, flags_CN.size + idx))[:n]
+
+
+def _ragged_blocks(kv, need, counts, plan: "_Plan", cap: int):
+    """This device's needed blocks from every rank (``[cap * U, ...]`` K/V, in sender then row then
+    block order), and their positions and segment ids for each row ``[B, cap * U]`` (``-1`` where a
+    slot is unused or holds another row's block)."""
+    B, Tk = kv.shape[:2]
+    c, U, me, nk = plan.c, plan.U, plan.me, Tk // plan.U
+    sent = jnp.moveaxis(lax.dynamic_index_in_dim(need, me, axis=2, keepdims=False), 1, 0)  # [receiver, B, nk]
+    items = _first(sent.reshape(c, B * nk), cap) % (B * nk)
+    out = kv.reshape(B * nk, U, *kv.shape[2:])[items]  # [cap, U, ...]: for each receiver, back to back
+    send = counts[:, me]
+    where = (jnp.cumsum(counts, axis=1) - counts)[:, me]  # on receiver r, after the blocks of ranks < me
+    got = ragged_all_to_all(out, jnp.zeros_like(out), jnp.cumsum(send) - send, send, where, counts[me],
+                            axis_name=COLOSSAL)
+    slot = _first(jnp.moveaxis(need[:, me], 1, 0).reshape(c, B * nk), cap)  # what each slot holds
+    src, row, j = slot // (B * nk), slot % (B * nk) // nk, slot % nk
+    used = jnp.arange(cap) < counts[me].sum()
+    pos = plan.kpos.reshape(B, c, nk, U)[row, src, j]  # [cap, U]
+    seg = jnp.where(used[:, None], plan.kseg.reshape(B, c, nk, U)[row, src, j], -1)
+    mine = (row[None, :] == jnp.arange(B)[:, None])[..., None]  # [B, cap, 1]
+    seg_B = jnp.where(mine, seg[None], -1).reshape(B, cap * U)
+    return got.reshape(cap * U, *kv.shape[2:]), jnp.broadcast_to(pos.reshape(1, -1), (B, cap * U)), seg_B
+
+
+def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name: str):
+    """``lax.ragged_all_to_all`` where the platform has it; on CPU (whose XLA has none) the same result
+    from an all-to-all of ``len(operand)``-row slices, one per receiver (more bytes; for tests).
+
+    Args:
+      operand, output, input_offsets, send_sizes, output_offsets, recv_sizes: as
+        ``lax.ragged_all_to_all``'s (one entry per rank of ``axis_name`` in each 1-D array).
+      axis_name: the mesh axis.
+
+    Returns:
+      ``output`` with the received slices written in.
+    """
+    if target_platform() != "cpu":
+        return lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                     axis_name=axis_name)
+    n = operand.shape[0]
+    rows = jnp.clip(input_offsets[:, None] + jnp.arange(n)[None], 0, n - 1)  # [ranks, n]: each receiver's slice
+    got = lax.all_to_all(operand[rows], axis_name, 0, 0, tiled=True)  # [ranks, n, ...]: from each sender
+    at = lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where each sender's slice lands here
+    i = jnp.arange(output.shape[0])
+    inside = (i[None] >= at[:, None]) & (i[None] < (at + recv_sizes)[:, None])  # [ranks, M]
+    src = jnp.argmax(inside, axis=0)
+    val = got[src, jnp.clip(i - at[src], 0, n - 1)]
+    hit = inside.any(axis=0).reshape(-1, *(1,) * (output.ndim - 1))
+    return jnp.where(hit, val, output)
 
 
 def _all_gathered(q_BTHd, kv_BT2Kd, meta: Meta, spec, sinks):
@@ -168,6 +285,13 @@ class _Plan:
         q = _Summary(*(lax.dynamic_slice_in_dim(a, receiver * self.nq, self.nq, axis=1) for a in self.q))
         k = _Summary(*(lax.dynamic_slice_in_dim(a, sender * self.nk, self.nk, axis=1) for a in self.k))
         return sees(jnp, q, k, self.is_causal, self.window).any(axis=1)
+
+    def all_needs(self):
+        """``[B, receiver, sender, nk]``: blocks of each rank's keys each rank's queries may see (no
+        rank needs its own)."""
+        B, c = self.q.valid.shape[0], self.c
+        m = sees(jnp, self.q, self.k, self.is_causal, self.window).reshape(B, c, self.nq, c, self.nk).any(axis=2)
+        return m & ~jnp.eye(c, dtype=bool)[None, :, :, None]
 
     def _pair(self, k: int, send: bool):
         """(receiver, sender) of this device's transfer at distance ``k``, sending or receiving."""
@@ -302,6 +426,29 @@ def exchange_for(counts_BCC: np.ndarray, block: int, blocks_per_rank: int) -> At
     need = max((int(counts_BCC[:, r, (r - k) % c].max()) for k in range(1, c)), default=0)
     n = min(bucket(need), blocks_per_rank)  # a whole rank's keys at most
     return Attended(block=block, sizes=(n,) * (c - 1))
+
+
+def ragged_exchange_for(counts_BCC: np.ndarray, block: int, blocks_per_rank: int, dp: int = 1) -> Attended:
+    """The ragged exchange serving ``counts`` (``needed_blocks``'): its capacity is the most blocks any
+    device sends or receives (summed over the rows of its dp shard: rows ``b`` with ``b // (B/dp)``
+    equal), rounded up to a power of two, and at most every other rank's blocks of those rows. Only
+    the needed blocks travel, so the capacity costs buffer memory, not bytes moved: rounded that
+    coarsely, a run compiles a handful of values.
+
+    Args:
+      counts_BCC: ``[B, receiver, sender]`` blocks needed.
+      block: tokens per block.
+      blocks_per_rank: blocks of one rank's keys in one row.
+      dp: the mesh's dp size (``B`` rows split into ``dp`` shards).
+
+    Returns:
+      ``Attended(block, capacity=...)``.
+    """
+    B, c = counts_BCC.shape[:2]
+    per_device = np.asarray(counts_BCC).reshape(dp, B // dp, c, c).sum(axis=1)  # [dp, receiver, sender]
+    need = int(max(per_device.sum(axis=2).max(), per_device.sum(axis=1).max(), 0))
+    capacity = 0 if need == 0 else 1 << (need - 1).bit_length()
+    return Attended(block=block, capacity=min(capacity, (B // dp) * blocks_per_rank * (c - 1)))
 
 
 # The bucket grid: 1, 2, 3, 4, 6, 8, 12, 16, ... blocks (powers of two and 1.5 times them).
