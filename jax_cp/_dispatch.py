@@ -50,9 +50,9 @@ class Dispatch:
       chunks: ``[B, N]`` int32, the natural chunk (tokens ``[n*S/N, (n+1)*S/N)``) at each chunk
         slot; colossal rank ``i`` holds slots ``[i*N/c, (i+1)*N/c)``, in ascending natural order.
       pairs: ``[B, c]`` float64, visible (query, key) pairs of each colossal rank's queries, per row.
-      blocks: ``[B, S/U, 5, 3]`` int32, per block of ``U`` dispatched tokens and each of its three parts
-        (``exchanges.attended.block_summary``): any valid token, and the
-        valid tokens' least and greatest segment id and position (what :attr:`kv_exchange` counts).
+      blocks: ``[B, S/U, 7, 3]`` int32, per block of ``U`` dispatched tokens and each of its three parts
+        (``exchanges.attended.block_summary``): any valid token, and the valid tokens' least and
+        greatest segment id, position and span id other than 0 (what :attr:`kv_exchange` counts).
       dims: the mesh sizes the plan is for.
       is_causal, window: the mask the plan balanced (and :attr:`kv_exchange` serves).
     """
@@ -204,7 +204,7 @@ def plan(segment_ids, mesh, *, positions=None, is_causal: bool = True, local_win
         k *= 2
         if best.imbalance() <= _GOOD_ENOUGH or (S // dims.c) % k:
             break
-    return _dispatch(np.asarray(best.chunks), counts_BS, pos_BS, dims, seg_BS, is_causal, window)
+    return _dispatch(np.asarray(best.chunks), counts_BS, pos_BS, dims, seg_BS, is_causal, window, span_BS=span_ids)
 
 
 def fixed(segment_ids, mesh, *, balanced: bool = True, positions=None, is_causal: bool = True,
@@ -234,7 +234,7 @@ def fixed(segment_ids, mesh, *, balanced: bool = True, positions=None, is_causal
     N = 2 * dims.c
     owner = _dual_owner(N, dims.c) if balanced else np.arange(N) // 2
     chunks_BN = np.broadcast_to(np.argsort(owner, kind="stable"), (seg_BS.shape[0], N))
-    return _dispatch(chunks_BN, counts_BS, pos_BS, dims, seg_BS, is_causal, window)
+    return _dispatch(chunks_BN, counts_BS, pos_BS, dims, seg_BS, is_causal, window, span_BS=span_ids)
 
 
 # ---- inputs ---------------------------------------------------------------------------------------
@@ -512,7 +512,7 @@ def _improve(owner_RN, areas_RN, load_C, first_RN, last_RN, c: int, k: int) -> n
 
 
 def _dispatch(chunks_BN: np.ndarray, counts_BS: np.ndarray, pos_BS, dims: MeshDims, seg_BS, is_causal: bool,
-              window: Window, summaries: bool = True) -> Dispatch:
+              window: Window, summaries: bool = True, span_BS=None) -> Dispatch:
     """The Dispatch of a chunk order: token permutation, its inverse, positions, pairs per rank and the
     dispatched blocks' summaries (``summaries=False``: an empty placeholder, for a candidate order
     that is only compared)."""
@@ -526,9 +526,10 @@ def _dispatch(chunks_BN: np.ndarray, counts_BS: np.ndarray, pos_BS, dims: MeshDi
     # One block length per batch shape (the finest chunks a plan may cut), so it never splits the
     # exchange values of one run: a block never straddles two chunks of any plan of this shape.
     U = _attended.block_length(S // dims.c, S // (dims.c * CHUNKS_PER_RANK * 2 ** _REFINEMENTS))
-    blocks = np.zeros((B, 0, 5, 3), np.int32)
+    blocks = np.zeros((B, 0, 7, 3), np.int32)
     if summaries:
-        summary = _attended.block_summary(np, positions, np.take_along_axis(seg_BS, perm, axis=1), U)
+        span = None if span_BS is None else np.take_along_axis(np.asarray(span_BS), perm, axis=1)
+        summary = _attended.block_summary(np, positions, np.take_along_axis(seg_BS, perm, axis=1), U, span)
         blocks = np.stack([np.asarray(a, np.int32) for a in summary], axis=-2)
     arrays = [perm, inverse, positions, chunks_BN.astype(np.int32), pairs.astype(np.float64), blocks]
     for a in arrays:

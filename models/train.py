@@ -304,9 +304,6 @@ def _exchange_policy(cfg: TrainConfig, balance: str | None) -> tuple[bool, str]:
         return False, f"--kv-exchange {cfg.kv_exchange} on every step"
     if balance != "dispatch":
         return False, "auto on every step (no dispatch plan to size an Attended exchange)"
-    if cfg.prefix_lm:
-        return False, ("auto on every step, not the dispatch plan's Attended exchange: it takes no span_ids "
-                       "(--prefix-lm)")
     return True, ("the dispatch plan's Attended exchange per batch (auto where a rank's queries need every key, or "
                   f"past {MAX_EXCHANGES - 1} values)")
 

@@ -223,10 +223,6 @@ def test_bad_span_arguments_are_value_errors():
     k2, v2 = k[:, :32], v[:, :32]
     with pytest.raises(ValueError, match=r"pass kv_span_ids= of shape \(batch, 32\) too"):
         jax_cp.dot_product_attention(q, k2, v2, mesh=mesh, span_ids=np.ones((B, S), np.int32))
-    ex = exchanges.Attended(block=8, sizes=(1,))
-    with pytest.raises(ValueError, match="does not take span_ids"):
-        jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, span_ids=np.ones((B, S), np.int32),
-                                     kv_exchange=ex)
 
 
 def test_cross_attention_takes_the_keys_spans():
@@ -309,6 +305,34 @@ def test_the_dispatch_plan_balances_the_area_spans_add(window):
     with pytest.raises(ValueError, match=r"span_ids \(shape=\(3,\), dtype=int64\) must be integers of shape"):
         load_balance.plan(seg, AbstractMesh((1, 4, 1, 1), jax_cp.AXES), positions=pos, span_ids=np.ones(3, np.int64),
                           is_causal=False)
+
+
+@pytest.mark.parametrize("transport,window", [("ragged", None), ("ppermute", None), ("ragged", (12, 3))])
+def test_the_plan_s_attended_exchange_takes_spans(transport, window, monkeypatch):
+    """``Attended`` on a plan made with the spans: a block above the diagonal sharing a span id is
+    sent, so its answer (the all-gather branch poisoned) equals the dense reference."""
+    from jax_cp.exchanges import attended
+
+    mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
+    rng = np.random.default_rng(4)
+    seg, pos = packed(rng, "lognormal", 40.0, B, 256, pad=True)
+    span = random_spans(rng, seg)
+    plan = load_balance.plan(seg, mesh, positions=pos, span_ids=span, local_window_size=window)
+    ex = plan.kv_exchange_for(local_window_size=window, transport=transport)
+    unaware = load_balance.plan(seg, mesh, positions=pos, local_window_size=window)
+    assert ex.received_tokens() >= unaware.kv_exchange_for(local_window_size=window,
+                                                           transport=transport).received_tokens()
+    monkeypatch.setattr(attended, "_all_gathered", lambda q, *_: q * jnp.nan)
+    q, k, v, ct = random_qkv(B, 256, H, 2, d, seed=6)
+    m = mask_np(pos, seg, span, window=window)
+
+    def f(q, k, v):
+        (q, k, v, seg_r, span_r), positions = plan.reorder((q, k, v, jnp.asarray(seg), jnp.asarray(span)))
+        o = jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, positions=positions, segment_ids=seg_r,
+                                         span_ids=span_r, local_window_size=window, kv_exchange=ex)
+        return plan.restore(o)
+
+    assert_matches(f, lambda q, k, v: dense_reference(q, k, v, m), (q, k, v), ct, jnp.float32, str(ex))
 
 
 def test_a_ring_of_pallas_gpu_steps_takes_spans():

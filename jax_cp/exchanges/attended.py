@@ -119,13 +119,10 @@ class Attended(KVExchange):
             Attended(block=self.block, sizes=buffers)
 
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
-        if meta.span is not None:  # its block summaries know no spans: it would drop visible keys
-            raise ValueError(f"kv_exchange={self} does not take span_ids (its blocks are chosen by documents, "
-                             "positions and windows only); use kv_exchange='all_gather', 'all_to_all' or 'ring'.")
         c = lax.axis_size(COLOSSAL)
         kv = pair_kv(k_BTKd, v_BTKd)
         if c == 1:
-            return _attend(q_BTHd, kv, meta, meta.keys_pos, meta.keys_seg, spec, sinks)
+            return _attend(q_BTHd, kv, meta, meta.keys_pos, meta.keys_seg, spec, sinks, kv_span=meta.keys_span)
         if self.capacity is None and len(self.sizes) != c - 1:
             raise ValueError(f"kv_exchange={self} has {len(self.sizes)} sizes, cp_colossal={c} needs {c - 1} (one per "
                              "ring distance); plan the batch for this mesh (load_balance.plan(...).kv_exchange).")
@@ -145,17 +142,15 @@ class Attended(KVExchange):
         overflow = lax.psum(overflow, (DP, COLOSSAL))
 
         def selected(q, kv):
-            keys, pos, seg = [kv], [plan.own_pos], [plan.own_seg]
+            parts = [(kv, plan.own_pos, plan.own_seg, plan.own_span)]
             for k, n in enumerate(self.sizes, start=1):
                 n = min(n, Tk // U)
-                if not n:
-                    continue
-                blocks_kv, blocks_pos, blocks_seg = plan.exchange(kv, k, n)
-                keys.append(blocks_kv)
-                pos.append(blocks_pos)
-                seg.append(blocks_seg)
+                if n:
+                    parts.append(plan.exchange(kv, k, n))
+            keys, pos, seg, span = ([p[i] for p in parts] for i in range(4))
             return _attend(q, jnp.concatenate(keys, axis=1), meta, jnp.concatenate(pos, axis=1),
-                           jnp.concatenate(seg, axis=1), spec, sinks, q_seg=plan.q_seg)
+                           jnp.concatenate(seg, axis=1), spec, sinks, q_seg=plan.q_seg,
+                           kv_span=None if plan.kspan is None else jnp.concatenate(span, axis=1))
 
         return lax.cond(overflow > 0, lambda q, kv: _all_gathered(q, kv, meta, spec, sinks), selected, q_BTHd, kv)
 
@@ -173,11 +168,12 @@ def _ragged_attend(q_BTHd, kv, meta: Meta, spec, sinks, plan: "_Plan", capacity:
     overflow = lax.psum(overflow.astype(jnp.int32), DP)
 
     def selected(q, kv):
-        got, pos, seg = _ragged_blocks(kv, need, counts, plan, cap)
+        got, pos, seg, span = _ragged_blocks(kv, need, counts, plan, cap)
         rows = pos.shape[0]  # every row's keys: its own, then the received blocks of that row
         kv_all = jnp.concatenate([kv, jnp.broadcast_to(got[None], (rows, *got.shape))], axis=1)
         return _attend(q, kv_all, meta, jnp.concatenate([plan.own_pos, pos], axis=1),
-                       jnp.concatenate([plan.own_seg, seg], axis=1), spec, sinks, q_seg=plan.q_seg)
+                       jnp.concatenate([plan.own_seg, seg], axis=1), spec, sinks, q_seg=plan.q_seg,
+                       kv_span=None if span is None else jnp.concatenate([plan.own_span, span], axis=1))
 
     return lax.cond(overflow > 0, lambda q, kv: _all_gathered(q, kv, meta, spec, sinks), selected, q_BTHd, kv)
 
@@ -191,8 +187,8 @@ def _first(flags_CN, n: int):
 
 def _ragged_blocks(kv, need, counts, plan: "_Plan", cap: int):
     """This device's needed blocks from every rank (``[cap * U, ...]`` K/V, in sender then row then
-    block order), and their positions and segment ids for each row ``[B, cap * U]`` (``-1`` where a
-    slot is unused or holds another row's block)."""
+    block order), and their positions, segment ids (``-1`` where a slot is unused or holds another
+    row's block) and span ids (None without spans) for each row, ``[B, cap * U]``."""
     B, Tk = kv.shape[:2]
     c, U, me, nk = plan.c, plan.U, plan.me, Tk // plan.U
     sent = jnp.moveaxis(lax.dynamic_index_in_dim(need, me, axis=2, keepdims=False), 1, 0)  # [receiver, B, nk]
@@ -209,7 +205,9 @@ def _ragged_blocks(kv, need, counts, plan: "_Plan", cap: int):
     seg = jnp.where(used[:, None], plan.kseg.reshape(B, c, nk, U)[row, src, j], -1)
     mine = (row[None, :] == jnp.arange(B)[:, None])[..., None]  # [B, cap, 1]
     seg_B = jnp.where(mine, seg[None], -1).reshape(B, cap * U)
-    return got.reshape(cap * U, *kv.shape[2:]), jnp.broadcast_to(pos.reshape(1, -1), (B, cap * U)), seg_B
+    rows = lambda a: jnp.broadcast_to(a.reshape(1, -1), (B, cap * U))
+    span = None if plan.kspan is None else rows(plan.kspan.reshape(B, c, nk, U)[row, src, j])
+    return got.reshape(cap * U, *kv.shape[2:]), rows(pos), seg_B, span
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name: str):
@@ -245,16 +243,17 @@ def _all_gathered(q_BTHd, kv_BT2Kd, meta: Meta, spec, sinks):
     return AllGather().attend(q_BTHd, k, v, meta, spec, sinks)
 
 
-def _attend(q_BTHd, kv_BS2Kd, meta: Meta, kv_pos, kv_seg, spec, sinks, q_seg=None):
+def _attend(q_BTHd, kv_BS2Kd, meta: Meta, kv_pos, kv_seg, spec, sinks, q_seg=None, kv_span=None):
     """The local kernel on this rank's queries and the keys in hand, their metadata as data."""
     pos = seq_chunk(meta.pos, (COLOSSAL,))
     q_seg = seq_chunk(meta.seg, (COLOSSAL,)) if q_seg is None else q_seg
     k, v = _unpair_kv(kv_BS2Kd, q_BTHd.shape[-1])
+    spans = {} if meta.span is None else dict(q_span_ids=seq_chunk(meta.span, (COLOSSAL,)), kv_span_ids=kv_span)
     return _kernels.local_attention(
         q_BTHd, k, v, kernel=spec.kernel, q_positions=pos, kv_positions=kv_pos, q_segment_ids=q_seg,
         kv_segment_ids=kv_seg, is_causal=spec.is_causal, local_window_size=spec.local_window_size,
         scale=spec.scale, block_q=spec.block_q, block_kv=spec.block_kv, logits_soft_cap=spec.logits_soft_cap,
-        sinks=sinks, return_max_logits=spec.record_max_logits, return_residual=spec.return_residual,
+        sinks=sinks, return_max_logits=spec.record_max_logits, return_residual=spec.return_residual, **spans,
     )
 
 
@@ -274,10 +273,13 @@ class _Plan:
         self.kpos = kpos.reshape(B, c, S_kv // c)
         self.kseg = kseg.reshape(B, c, S_kv // c)
         self.own_pos, self.own_seg = seq_chunk(kpos, (COLOSSAL,)), seq_chunk(kseg, (COLOSSAL,))
+        kspan = meta.keys_span
+        self.kspan = None if kspan is None else kspan.reshape(B, c, S_kv // c)
+        self.own_span = None if kspan is None else seq_chunk(kspan, (COLOSSAL,))
         T = meta.pos.shape[1] // c
         Uq = U if T % U == 0 else T
-        self.q = block_summary(jnp, meta.pos, meta.seg, Uq)  # [B, c * T/Uq]
-        self.k = block_summary(jnp, kpos, kseg if segmented else None, U)  # [B, c * S_kv/(c U)]
+        self.q = block_summary(jnp, meta.pos, meta.seg, Uq, meta.span)  # [B, c * T/Uq]
+        self.k = block_summary(jnp, kpos, kseg if segmented else None, U, kspan)  # [B, c * S_kv/(c U)]
         self.nq, self.nk = T // Uq, S_kv // c // U
 
     def _needs(self, receiver, sender):
@@ -309,7 +311,7 @@ class _Plan:
 
     def exchange(self, kv_BT, k: int, n: int):
         """Sends this device's chosen blocks to rank ``me + k``, receives rank ``me - k``'s for it:
-        ``(kv [B, n*U, ...], positions [B, n*U], segment ids [B, n*U])``."""
+        ``(kv [B, n*U, ...], positions [B, n*U], segment ids [B, n*U], span ids [B, n*U] or None)``."""
         c, U = self.c, self.U
         B = kv_BT.shape[0]
         idx, _ = self._chosen(k, n, send=True)
@@ -318,28 +320,32 @@ class _Plan:
         got = lax.ppermute(out, COLOSSAL, [(i, (i + k) % c) for i in range(c)])
         idx, used = self._chosen(k, n, send=False)
         src = (self.me - k) % c
-        pos, seg = (lax.dynamic_index_in_dim(a, src, axis=1, keepdims=False).reshape(B, -1, U) for a in
-                    (self.kpos, self.kseg))
-        pos = jnp.take_along_axis(pos, idx[..., None], axis=1)
-        seg = jnp.where(used[..., None], jnp.take_along_axis(seg, idx[..., None], axis=1), -1)
-        return got.reshape(B, n * U, *kv_BT.shape[2:]), pos.reshape(B, n * U), seg.reshape(B, n * U)
+        pick = lambda a: jnp.take_along_axis(lax.dynamic_index_in_dim(a, src, axis=1, keepdims=False).reshape(
+            B, -1, U), idx[..., None], axis=1)
+        pos, seg = pick(self.kpos), jnp.where(used[..., None], pick(self.kseg), -1)
+        span = None if self.kspan is None else pick(self.kspan).reshape(B, n * U)
+        return got.reshape(B, n * U, *kv_BT.shape[2:]), pos.reshape(B, n * U), seg.reshape(B, n * U), span
 
 
 class _Summary(NamedTuple):
     """Per block of tokens, ``[..., 3]`` for three parts: the tokens of the first valid token's segment,
-    of the last one's, and the rest; each part: any valid token, its segment id and position ranges."""
+    of the last one's, and the rest; each part: any valid token, its segment id and position ranges,
+    and the range of its span ids other than 0 (``(BIG, -1)``: none)."""
 
     valid: object
     seg_min: object
     seg_max: object
     pos_min: object
     pos_max: object
+    span_min: object
+    span_max: object
 
 
-def block_summary(xp, pos_BS, seg_BS, block: int) -> _Summary:
+def block_summary(xp, pos_BS, seg_BS, block: int, span_BS=None) -> _Summary:
     """``[B, S/block, 3]`` summaries of consecutive blocks (``xp``: ``numpy`` on the host, ``jax.numpy`` on
     device). A block cut across a document boundary is summarised per side: one range of positions
-    over both documents would make a window (or causal) test see nearly every block of either."""
+    over both documents would make a window (or causal) test see nearly every block of either.
+    ``span_BS``: bidirectional span ids (0: none), or None."""
     B, S = pos_BS.shape
     p = pos_BS.reshape(B, S // block, block)
     if seg_BS is None:
@@ -356,23 +362,30 @@ def block_summary(xp, pos_BS, seg_BS, block: int) -> _Summary:
     in_last = valid & (s == last) & ~in_first
     parts = xp.stack([in_first, in_last, valid & ~in_first & ~in_last], axis=-1)  # [B, N, U, 3]
     s, p = s[..., None], p[..., None]
+    if span_BS is None:
+        span_min, span_max = xp.full(parts.shape[:2] + (3,), _BIG, p.dtype), xp.full(parts.shape[:2] + (3,), -1, p.dtype)
+    else:
+        sp = span_BS.reshape(B, S // block, block)[..., None]
+        in_span = parts & (sp != 0)
+        span_min, span_max = xp.where(in_span, sp, _BIG).min(axis=-2), xp.where(in_span, sp, -1).max(axis=-2)
     return _Summary(parts.any(axis=-2), xp.where(parts, s, _BIG).min(axis=-2), xp.where(parts, s, -1).max(axis=-2),
-                    xp.where(parts, p, _BIG).min(axis=-2), xp.where(parts, p, -_BIG).max(axis=-2))
+                    xp.where(parts, p, _BIG).min(axis=-2), xp.where(parts, p, -_BIG).max(axis=-2), span_min, span_max)
 
 
-def block_summary_of(blocks_BN53) -> _Summary:
-    """The summary ``Dispatch.blocks`` stores (its five fields stacked on axis -2)."""
-    return _Summary(blocks_BN53[..., 0, :].astype(bool), *(blocks_BN53[..., i, :] for i in range(1, 5)))
+def block_summary_of(blocks_BN73) -> _Summary:
+    """The summary ``Dispatch.blocks`` stores (its seven fields stacked on axis -2)."""
+    return _Summary(blocks_BN73[..., 0, :].astype(bool), *(blocks_BN73[..., i, :] for i in range(1, 7)))
 
 
 def sees(xp, q: _Summary, k: _Summary, is_causal: bool, window) -> object:
     """``[B, Nq, Nk]``: query block may see a key of key block (never False where one does): some
-    part of each shares a segment id in range, in causal order, within the window."""
+    part of each shares a segment id in range, in causal order (or shares a span id in range),
+    within the window."""
     qx = lambda a: a[:, :, None, :, None]
     kx = lambda a: a[:, None, :, None, :]
     m = qx(q.valid) & kx(k.valid) & (qx(q.seg_min) <= kx(k.seg_max)) & (kx(k.seg_min) <= qx(q.seg_max))
     if is_causal:
-        m &= kx(k.pos_min) <= qx(q.pos_max)
+        m &= (kx(k.pos_min) <= qx(q.pos_max)) | ((qx(q.span_min) <= kx(k.span_max)) & (kx(k.span_min) <= qx(q.span_max)))
     if window is not None:
         left, right = (min(w, _BIG) for w in window)
         # Invalid parts are already False; valid positions are int32, their differences too
@@ -381,13 +394,14 @@ def sees(xp, q: _Summary, k: _Summary, is_causal: bool, window) -> object:
     return m.any(axis=(-2, -1))
 
 
-def needed_blocks(positions, segment_ids, c: int, block: int, *, is_causal: bool, local_window_size=None):
+def needed_blocks(positions, segment_ids, c: int, block: int, *, is_causal: bool, local_window_size=None,
+                  span_ids=None):
     """Host side (NumPy): ``[B, c, c]`` blocks of rank ``s``'s keys that rank ``r``'s queries may
     see (entry ``[b, r, s]``; the diagonal is 0), by the rule the devices apply, for rows already in
-    the order attention runs on (self-attention)."""
+    the order attention runs on (self-attention; ``span_ids``: bidirectional spans, or None)."""
     pos = np.asarray(positions, np.int64)
     seg = None if segment_ids is None else np.asarray(segment_ids, np.int64)
-    summary = block_summary(np, pos, seg, block)
+    summary = block_summary(np, pos, seg, block, None if span_ids is None else np.asarray(span_ids, np.int64))
     return needed_from_summary(summary, c, is_causal=is_causal, local_window_size=local_window_size)
 
 
@@ -402,10 +416,12 @@ def needed_from_summary(summary, c: int, *, is_causal: bool, local_window_size=N
     lo = lambda a: np.where(summary.valid, a, _BIG).min(-1)
     hi = lambda a: np.where(summary.valid, a, -_BIG).max(-1)
     slo, shi, plo, phi = lo(summary.seg_min), hi(summary.seg_max), lo(summary.pos_min), hi(summary.pos_max)
+    alo, ahi = summary.span_min.min(-1), summary.span_max.max(-1)  # span ids other than 0 (none: BIG, -1)
     cand = valid[:, :, None] & valid[:, None, :] & (slo[:, :, None] <= shi[:, None, :]) & \
         (slo[:, None, :] <= shi[:, :, None])
     if is_causal:
-        cand &= plo[:, None, :] <= phi[:, :, None]
+        cand &= (plo[:, None, :] <= phi[:, :, None]) | ((alo[:, :, None] <= ahi[:, None, :]) &
+                                                         (alo[:, None, :] <= ahi[:, :, None]))
     b, i, j = np.nonzero(cand)
     pick = lambda idx: _Summary(*(a[b, idx][:, None] for a in summary))  # [P, 1, 3]: one block a pair
     m = np.zeros((B, N, N), bool)
