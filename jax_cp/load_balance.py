@@ -130,6 +130,11 @@ def balanced(fn, order, *, axis: int = 1):
     (``positions=`` then holds the natural positions of the reordered tokens). Works eagerly and
     under ``jit``/``grad``.
 
+    Given a :class:`Dispatch` read on the host (not a traced one) and an ``fn`` with a
+    ``kv_exchange`` parameter, ``"auto"`` (or leaving it out) becomes the plan's
+    :attr:`Dispatch.kv_exchange`: only the K/V blocks each rank's queries may see move (for the
+    mask the plan was given). An explicit exchange passes as it is.
+
     Args:
         fn: called as ``fn(reordered_tree, *args, positions=positions, **kwargs)``.
         order: a mesh (the dual-chunk order of :func:`reorder`) or a :class:`Dispatch` (a packed
@@ -159,7 +164,11 @@ def balanced(fn, order, *, axis: int = 1):
     else:
         forward, back = partial(reorder, mesh=order), partial(restore, mesh=order)
 
+    exchange = _plan_exchange(fn, order)
+
     def run(tree, *args, **kwargs):
+        if exchange is not None and _is_auto(kwargs.get("kv_exchange", "auto")):
+            kwargs = {**kwargs, "kv_exchange": exchange}
         reordered, pos = forward(tree, axis=axis)
         seq_len = pos.shape[-1]
         out = fn(reordered, *args, positions=pos, **kwargs)
@@ -167,6 +176,22 @@ def balanced(fn, order, *, axis: int = 1):
         return jax.tree.map(lambda x: back(x, axis=axis) if along(x) else x, out)
 
     return run
+
+
+def _is_auto(value) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
+def _plan_exchange(fn, order):
+    """The plan's ``kv_exchange`` where ``balanced`` hands it to ``fn`` (a host-side ``Dispatch`` and an
+    ``fn`` with a ``kv_exchange`` parameter), else None."""
+    if not isinstance(order, Dispatch) or isinstance(order.blocks, jax.core.Tracer):
+        return None
+    try:
+        takes = "kv_exchange" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read
+        takes = False
+    return order.kv_exchange if takes else None
 
 
 def positions(seq_len: int, mesh) -> jax.Array:

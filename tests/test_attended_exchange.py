@@ -260,3 +260,33 @@ def test_the_host_count_equals_the_block_rule_on_every_pair(window):
         slow[:, np.arange(4), np.arange(4)] = 0
         np.testing.assert_array_equal(fast, slow)
         assert fast.sum() > 0
+
+
+def test_balanced_hands_fn_the_plan_s_exchange_for_auto(monkeypatch):
+    """``load_balance.balanced(fn, plan)``: an ``fn`` with a ``kv_exchange`` parameter gets the plan's
+    exchange for ``"auto"`` (or none passed), keeps an explicit one, and a traced plan hands none; the
+    answer equals the reference (the all-gather branch poisoned: the plan's blocks suffice)."""
+    mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
+    d, seg, pos = _plan(mesh, seed=12)
+    got = []
+
+    def attend(tree, positions, kv_exchange="auto"):
+        got.append(kv_exchange)
+        q, k, v, seg_r = tree
+        return jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, positions=positions,
+                                            segment_ids=seg_r, kv_exchange=kv_exchange)
+
+    q, k, v, ct = random_qkv(2, 256, 8, 2, 8, seed=3)
+    ref = reference.dot_product_attention(q, k, v, is_causal=True, positions=jnp.asarray(pos),
+                                          segment_ids=jnp.asarray(seg))
+    monkeypatch.setattr(attended, "_all_gathered", lambda q, *_: q * jnp.nan)
+    g = load_balance.balanced(attend, d)
+    np.testing.assert_allclose(g((q, k, v, jnp.asarray(seg))), ref, atol=2e-5, rtol=2e-5)
+    g((q, k, v, jnp.asarray(seg)), kv_exchange="auto")
+    monkeypatch.undo()
+    g((q, k, v, jnp.asarray(seg)), kv_exchange="all_gather")
+    assert got == [d.kv_exchange, d.kv_exchange, "all_gather"], got
+    jax.jit(lambda d, tree: load_balance.balanced(attend, d)(tree))(d, (q, k, v, jnp.asarray(seg)))
+    assert got[-1] == "auto"  # a traced plan: its sizes are not known, fn's own default runs
+    no_param = load_balance.balanced(lambda tree, positions: tree[0], d)
+    np.testing.assert_array_equal(no_param((q, k, v, jnp.asarray(seg))), q)  # fn without kv_exchange: untouched
