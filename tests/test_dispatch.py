@@ -307,6 +307,27 @@ def test_attention_on_the_dispatched_order_matches_the_reference(cut, kv_exchang
     assert_matches(f, ref, (q, k, v), ct, jnp.float32, f"{cut=} {kv_exchange=} {K=} {window=}")
 
 
+@pytest.mark.parametrize("kv_exchange,kernel", [("ring", "splash"), ("all_gather", "pallas_gpu"),
+                                                ("attended", "splash")])
+def test_the_pallas_kernels_on_the_dispatched_order(kv_exchange, kernel):
+    """The dispatched order through splash (each ring step, or after the plan's Attended exchange) and
+    pallas_gpu, in Pallas interpret mode off their platforms: equal to the reference, with gradients."""
+    mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
+    d, seg, pos = _plan_small(mesh, seed=9)
+    ex = d.kv_exchange if kv_exchange == "attended" else kv_exchange
+    q, k, v, ct = random_qkv(2, 128, 8, 2, 8, seed=7)
+
+    def f(q, k, v):
+        (q, k, v, seg_r), positions = d.reorder((q, k, v, jnp.asarray(seg)))
+        o = jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, positions=positions,
+                                         segment_ids=seg_r, kv_exchange=ex, kernel=kernel)
+        return d.restore(o)
+
+    ref = lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=True, positions=jnp.asarray(pos),
+                                                          segment_ids=jnp.asarray(seg))
+    assert_matches(f, ref, (q, k, v), ct, jnp.float32, f"{ex} {kernel}")
+
+
 ERRORS = [
     (dict(segment_ids=np.zeros(128, np.int32)), r"segment_ids.shape=\(128,\) must be \[batch, seq_len\]"),
     (dict(segment_ids=np.zeros((2, 128), np.float32)), r"segment_ids.dtype=float32 must be an integer dtype"),
