@@ -159,16 +159,14 @@ def _ragged_attend(q_BTHd, kv, meta: Meta, spec, sinks, plan: "_Plan", capacity:
     """``Attended`` with ``capacity``: one ragged all-to-all of the needed blocks (or the all-gather
     when some device would send or receive more than ``capacity`` blocks)."""
     B, Tk = kv.shape[:2]
-    c, U, me = plan.c, plan.U, plan.me
+    c, U = plan.c, plan.U
     cap = max(1, min(capacity, B * (Tk // U) * (c - 1)))  # no more than every other rank's blocks
-    need = plan.all_needs()  # [B, receiver, sender, block]
-    counts = need.sum(axis=(0, 3)).astype(jnp.int32)  # [receiver, sender], this device's rows
-    overflow = (counts.sum(0) > cap).any() | (counts.sum(1) > cap).any()
-    # One branch for every device: every rank of a colossal group counts the same, the dp groups agree here.
-    overflow = lax.psum(overflow.astype(jnp.int32), DP)
+    sends, gets = plan.my_needs()  # [B, receiver, block] of my keys; [B, sender, block] of theirs
+    overflow = (sends.sum() > cap) | (gets.sum() > cap)
+    overflow = lax.psum(overflow.astype(jnp.int32), (DP, COLOSSAL))  # one branch for every device
 
     def selected(q, kv):
-        got, pos, seg, span = _ragged_blocks(kv, need, counts, plan, cap)
+        got, pos, seg, span = _ragged_blocks(kv, sends, gets, plan, cap)
         rows = pos.shape[0]  # every row's keys: its own, then the received blocks of that row
         kv_all = jnp.concatenate([kv, jnp.broadcast_to(got[None], (rows, *got.shape))], axis=1)
         return _attend(q, kv_all, meta, jnp.concatenate([plan.own_pos, pos], axis=1),
@@ -185,22 +183,21 @@ def _first(flags_CN, n: int):
     return jnp.argsort(jnp.where(flags_CN.reshape(-1), idx, flags_CN.size + idx))[:n]
 
 
-def _ragged_blocks(kv, need, counts, plan: "_Plan", cap: int):
+def _ragged_blocks(kv, sends, gets, plan: "_Plan", cap: int):
     """This device's needed blocks from every rank (``[cap * U, ...]`` K/V, in sender then row then
     block order), and their positions, segment ids (``-1`` where a slot is unused or holds another
     row's block) and span ids (None without spans) for each row, ``[B, cap * U]``."""
     B, Tk = kv.shape[:2]
-    c, U, me, nk = plan.c, plan.U, plan.me, Tk // plan.U
-    sent = jnp.moveaxis(lax.dynamic_index_in_dim(need, me, axis=2, keepdims=False), 1, 0)  # [receiver, B, nk]
-    items = _first(sent.reshape(c, B * nk), cap) % (B * nk)
+    c, U, nk = plan.c, plan.U, Tk // plan.U
+    per_rank = lambda need: jnp.moveaxis(need, 1, 0).reshape(c, B * nk)  # [rank, row * block]
+    items = _first(per_rank(sends), cap) % (B * nk)
     out = kv.reshape(B * nk, U, *kv.shape[2:])[items]  # [cap, U, ...]: for each receiver, back to back
-    send = counts[:, me]
-    where = (jnp.cumsum(counts, axis=1) - counts)[:, me]  # on receiver r, after the blocks of ranks < me
-    got = ragged_all_to_all(out, jnp.zeros_like(out), jnp.cumsum(send) - send, send, where, counts[me],
-                            axis_name=COLOSSAL)
-    slot = _first(jnp.moveaxis(need[:, me], 1, 0).reshape(c, B * nk), cap)  # what each slot holds
+    send, recv = per_rank(sends).sum(1, dtype=jnp.int32), per_rank(gets).sum(1, dtype=jnp.int32)
+    at = lax.all_to_all(jnp.cumsum(recv) - recv, COLOSSAL, 0, 0, tiled=True)  # where mine land on each receiver
+    got = ragged_all_to_all(out, jnp.zeros_like(out), jnp.cumsum(send) - send, send, at, recv, axis_name=COLOSSAL)
+    slot = _first(per_rank(gets), cap)  # what each received slot holds: sender, row, block
     src, row, j = slot // (B * nk), slot % (B * nk) // nk, slot % nk
-    used = jnp.arange(cap) < counts[me].sum()
+    used = jnp.arange(cap) < recv.sum()
     pos = plan.kpos.reshape(B, c, nk, U)[row, src, j]  # [cap, U]
     seg = jnp.where(used[:, None], plan.kseg.reshape(B, c, nk, U)[row, src, j], -1)
     mine = (row[None, :] == jnp.arange(B)[:, None])[..., None]  # [B, cap, 1]
@@ -288,12 +285,17 @@ class _Plan:
         k = _Summary(*(lax.dynamic_slice_in_dim(a, sender * self.nk, self.nk, axis=1) for a in self.k))
         return sees(jnp, q, k, self.is_causal, self.window).any(axis=1)
 
-    def all_needs(self):
-        """``[B, receiver, sender, nk]``: blocks of each rank's keys each rank's queries may see (no
-        rank needs its own)."""
-        B, c = self.q.valid.shape[0], self.c
-        m = sees(jnp, self.q, self.k, self.is_causal, self.window).reshape(B, c, self.nq, c, self.nk).any(axis=2)
-        return m & ~jnp.eye(c, dtype=bool)[None, :, :, None]
+    def my_needs(self):
+        """``(sends [B, receiver, nk], gets [B, sender, nk])``: the blocks of this device's keys each rank's
+        queries may see, and the blocks of each rank's keys this device's queries may see (none of its
+        own: the local keys are attended where they are)."""
+        B, c, me = self.q.valid.shape[0], self.c, self.me
+        q_me = _Summary(*(lax.dynamic_slice_in_dim(a, me * self.nq, self.nq, axis=1) for a in self.q))
+        k_me = _Summary(*(lax.dynamic_slice_in_dim(a, me * self.nk, self.nk, axis=1) for a in self.k))
+        sends = sees(jnp, self.q, k_me, self.is_causal, self.window).reshape(B, c, self.nq, self.nk).any(axis=2)
+        gets = sees(jnp, q_me, self.k, self.is_causal, self.window).any(axis=1).reshape(B, c, self.nk)
+        other = (jnp.arange(c) != me)[None, :, None]
+        return sends & other, gets & other
 
     def _pair(self, k: int, send: bool):
         """(receiver, sender) of this device's transfer at distance ``k``, sending or receiving."""
