@@ -1,6 +1,6 @@
 """Packed rows on a TPU pod, ahead of time: per-rank attention work and CP bytes, dual-chunk vs dispatch.
 
-    JAX_PLATFORMS=cpu python benchmarks/packed_tpu.py                 # ~14 min on 2 cores
+    JAX_PLATFORMS=cpu python benchmarks/packed_tpu.py                 # ~9 min on 2 cores
     JAX_PLATFORMS=cpu python benchmarks/packed_tpu.py --case v5e:4x4:4,1,4 --seq 32768 --forward-only
 
 Rows are packed as in ``benchmarks/packed_exchange.py`` (``packed_row``): documents of lognormal
@@ -15,12 +15,13 @@ causal, positions and segment ids as (sharded) inputs, ``kernel="auto"``, forwar
 (the gradient of a scalar loss w.r.t. q, k, v; ``--forward-only``: forward), twice:
 
 * dual-chunk: ``kv_exchange="all_gather"``, what the dual-chunk order runs;
-* dispatch: ``kv_exchange=Dispatch.kv_exchange`` of the planned batch (``exchanges.Attended``:
-  one ``ppermute`` per ring distance, its buffers bucketed; and a ``lax.cond`` that takes the
-  all-gather instead when some buffer would overflow). Both branches are in the compiled
-  program: the table gives the bytes of the path taken (``ppermute``) and of the fallback.
+* dispatch: ``kv_exchange=Dispatch.kv_exchange`` of the planned batch (``exchanges.Attended`` with
+  ``capacity``, the ragged transport: one ``lax.ragged_all_to_all`` over ``cp_colossal`` moving
+  each device's needed K/V blocks forward and one moving their dK/dV back; and a ``lax.cond``
+  that takes the all-gather instead when some device would send or receive more than
+  ``capacity`` blocks). Both branches are in the compiled program.
 
-Columns:
+Columns (per device and layer; MiB, fwd + bwd):
 
 * "pairs slowest/mean": ``Dispatch.work()`` (visible (query, key) pairs per CP device;
   ``load_balance.fixed(balanced=True)`` for the dual-chunk order), the slowest device over the mean,
@@ -30,18 +31,32 @@ Columns:
   to each device of its Ulysses group) over ``plan.chip_for(topology).device_flops`` (v5e 197,
   v5p 459 TFLOP/s). The kernels skip fully masked blocks, so visible pairs set it; an estimate:
   no kernel efficiency, no exchange time, no backward;
-* "CP MiB per device and layer, fwd + bwd": from the scheduled HLO (``plan.analyze_program``,
+* "all-gather": dual-chunk's CP collectives, from the scheduled HLO (``plan.analyze_program``,
   ``Analysis.schedule``): every collective over ``cp_colossal`` / ``cp_ulysses`` only, its bytes
-  (the larger of its input and output buffers) as often as it runs. The planner's CP selection
-  (``Schedule.select``) drops collectives whose result no matmul consumes, which in a bare
-  attention call are the backward's dK/dV exchanges; here they count. "dispatch, taken" is the
-  program's collectives outside the ``lax.cond`` plus its ``ppermute`` branch; "fallback" the
-  same with its all-gather branch instead (the metadata all-gathers of positions and segment ids,
-  and the overflow flag's ``psum``, are in both, and in dual-chunk's);
-* "K/V needed MiB": K/V bytes per device that the busiest rank's queries attend on other ranks
+  (the larger of its input and output buffers) as often as it runs, the backward's dK/dV
+  exchanges included (``Schedule.select(cp_only=False)``);
+* "ragged buffers": the static buffers of dispatch's ``ragged-all-to-all`` ops, read here from the
+  scheduled HLO (``plan.analyze_schedule`` does not list them: ``ragged_buffers``): each op's
+  larger of operand and result, ``capacity x block`` tokens; what the compiled program holds;
+* "ragged moved": what moves at run time on batch 0: the busiest device's needed blocks (sum over
+  senders, ``attended.needed_blocks``, the rule the devices apply) x ``block`` x the K/V bytes of a
+  token (bfloat16 K and V of the kv heads each device holds after the Ulysses exchange); backward:
+  the dK/dV of the blocks the busiest sender lent, back in K/V's dtype;
+* "K/V needed": K/V bytes per device that the busiest rank's queries attend on other ranks
   (``packed_exchange.needed_remote_keys``, counted from the dispatched positions and segment ids;
-  forward; the kv heads each device holds after the Ulysses exchange, bfloat16 K and V): what the
-  forward exchange is judged against;
+  forward): what the forward exchange is judged against;
+* "other CP": dispatch's other collectives on the path taken (outside the ``lax.cond`` and in its
+  ragged branch: the metadata all-gathers of positions and segment ids, the overflow flag's
+  ``psum``, the all-to-all of each receiver's offsets; with ``u > 1`` the Ulysses all-to-alls of
+  q, k, v and the output, which "all-gather" counts too); "fallback": the same with the
+  all-gather branch instead, what a batch overflowing ``capacity`` moves;
+* "ppermute": ``Dispatch.kv_exchange_for(transport="ppermute")``'s static buffers (one per ring
+  distance, received in full), ``block x sum(sizes)`` x the bytes of a token, the same back:
+  from the host, not compiled;
+* "ragged async, compute inside": for dispatch's forward and backward ragged-all-to-all, whether
+  the schedule has it as ``async-start``/``async-done``, and the compute ops (a kernel call by
+  name; a matmul, or a fusion holding one, by its result's element type: ``plan.analyze_schedule``'s
+  test) scheduled between the two, which its transfer can overlap;
 * "exchange": ``Dispatch.kv_exchange``; "kernel": what the compiled programs call (splash: kernel
   calls in dual-chunk's / dispatch's program, both ``lax.cond`` branches counted); "GiB": the
   compiler's memory per device (``Memory.total``), dual-chunk / dispatch; "compile s": the two compiles.
@@ -53,6 +68,7 @@ Letters: B batch, S sequence, H query heads, K kv heads, c/u/t the layout.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import math
 import os
 import time
@@ -66,6 +82,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_cp  # noqa: E402
 from jax_cp import load_balance, plan  # noqa: E402
+from jax_cp.exchanges import attended  # noqa: E402
+from jax_cp.plan import _analyze, _hlo  # noqa: E402
 from packed_exchange import DISTRIBUTIONS, needed_remote_keys, packed_row  # noqa: E402
 
 H, K, HEAD_DIM = 32, 8, 128  # Llama-3-8B attention
@@ -73,6 +91,20 @@ H, K, HEAD_DIM = 32, 8, 128  # Llama-3-8B attention
 CASES = ("v5e:4x4:4,1,4", "v5p:4x4x4:4,4,4", "v5p:4x4x4:16,1,4")
 CP_AXES = {jax_cp.COLOSSAL, jax_cp.ULYSSES}
 PHASES = ("fwd", "bwd")
+RAGGED = "ragged-all-to-all"
+
+# plan.analyze_program reads the scheduled HLO and keeps only its Analysis; the ragged all-to-all
+# (which its schedule reader does not list) is read here from the same text.
+_texts: list[str] = []
+_scheduled_text = _analyze._scheduled_text
+
+
+def _keep_text(compiled, dump):
+    _texts.append(_scheduled_text(compiled, dump))
+    return _texts[-1]
+
+
+_analyze._scheduled_text = _keep_text
 
 
 def parse_case(case: str):
@@ -105,21 +137,114 @@ def abstract_args(mesh, B: int, S: int):
     return qkv(H), qkv(K), qkv(K), ids, ids
 
 
-def cp_bytes(analysis) -> dict[tuple[str, str], float]:
-    """``{(part, phase): MiB}`` per device; part: "common" (the entry computation), "permute" (the
-    ``ppermute`` branch of ``Attended``'s ``lax.cond``), "fallback" (its other collectives)."""
-    out = {(part, ph): 0.0 for part in ("common", "permute", "fallback") for ph in PHASES}
+def _reach(mod, comp: str, seen=None) -> set[str]:
+    """``comp`` and every computation it calls, transitively."""
+    seen = set() if seen is None else seen
+    if comp not in seen:
+        seen.add(comp)
+        for i in mod.comps.get(comp, ()):
+            for c in i.called:
+                _reach(mod, c, seen)
+    return seen
+
+
+def _holds_ragged(mod, comp: str) -> bool:
+    return any(i.opcode.startswith(RAGGED) for c in _reach(mod, comp) for i in mod.comps.get(c, ()))
+
+
+def branches(mod) -> tuple[set[str], set[str]]:
+    """Computations of the ``lax.cond`` branches holding a ragged all-to-all ("taken"), and of the
+    other branches of the same conditionals ("fallback")."""
+    taken, fallback = set(), set()
+    for instrs in mod.comps.values():
+        for i in instrs:
+            if i.opcode != "conditional" or not any(_holds_ragged(mod, b) for b in i.called):
+                continue
+            for b in i.called:
+                (taken if _holds_ragged(mod, b) else fallback).update(_reach(mod, b))
+    return taken, fallback
+
+
+def _is_compute(mod, i) -> bool:
+    """``plan.analyze_schedule``'s test: a matmul, a kernel call, or a fusion (call, loop) holding one."""
+    if i.opcode in _hlo._COMPUTE_OPS or (i.opcode == "custom-call" and _hlo._KERNEL_TARGETS.search(i.target)):
+        return True
+    return i.opcode in ("fusion", "call", "while", "conditional") and any(mod.contains(c, "compute") for c in i.called)
+
+
+def _what(i) -> str:
+    """A compute op in a few words: a kernel call's name, or the op and its result's element type."""
+    if i.opcode == "custom-call":
+        return i.name.split(".")[0].replace("_segmented", "").replace("_no_residuals", "")
+    return f"{i.opcode} {i.shape.lstrip('(').split('[')[0]}"
+
+
+def ragged_buffers(mod) -> list[dict]:
+    """Every ragged all-to-all of the scheduled module: phase, buffer bytes (the larger of its
+    operand and result), whether it is an async start/done pair, and the compute ops scheduled
+    between the two."""
+    out = []
+    for comp in mod.scheduled():
+        instrs = mod.comps[comp]
+        table = mod.by_name[comp]
+        for pos, i in enumerate(instrs):
+            inner = next((x for c in i.called for x in mod.comps.get(c, ()) if x.opcode == RAGGED), None)
+            if i.opcode == RAGGED + "-start" or (i.opcode == "async-start" and inner is not None):
+                core, is_async = (inner or i), True
+            elif i.opcode == RAGGED:
+                core, is_async = i, False
+            else:
+                continue
+            end = next((k for k in range(pos + 1, len(instrs)) if instrs[k].opcode in ("async-done", RAGGED + "-done")
+                        and i.name in instrs[k].operands), pos) if is_async else pos
+            result = instrs[end].shape if end != pos else core.shape
+            first = (i.refs or i.operands)[0]
+            operand = table[first.split("#")[0]].shape if first.split("#")[0] in table else ""
+            compute = [_what(x) for x in instrs[pos + 1:end] if _is_compute(mod, x)]
+            op_name = core.op_name or i.op_name
+            out.append(dict(phase="bwd" if "transpose(" in op_name else "fwd", is_async=is_async and end != pos,
+                            bytes=max(_hlo.array_bytes(operand), _hlo.array_bytes(result)), compute=compute,
+                            name=i.name))
+    return out
+
+
+def cp_bytes(analysis, text: str) -> dict:
+    """``{(part, phase): MiB}`` per device; part: "common" (outside ``Attended``'s ``lax.cond``),
+    "taken" (its ragged branch's other collectives), "fallback" (its all-gather branch), "ragged"
+    (the ragged all-to-all buffers); and "ragged_ops" (``ragged_buffers``), "listed" (whether
+    ``analysis.schedule`` lists any ragged all-to-all)."""
+    mod = _hlo._Module(text)
+    taken, fallback = branches(mod)
+    comp_of = {name: comp for comp, names in mod.by_name.items() for name in names}
+    out = {(part, ph): 0.0 for part in ("common", "taken", "fallback", "ragged") for ph in PHASES}
     for col in analysis.schedule.select(cp_only=False):
         if not col.axes or not set(col.axes) <= CP_AXES:
             continue
-        part = "common" if not col.in_loop else "permute" if col.kind == "collective-permute" else "fallback"
+        comp = comp_of.get(col.name)
+        part = "taken" if comp in taken else "fallback" if comp in fallback else "common"
         out[part, col.phase] += col.bytes * col.iterations / 2**20
+    ops = ragged_buffers(mod)
+    for op in ops:
+        out["ragged", op["phase"]] += op["bytes"] / 2**20
+    out["ragged_ops"] = ops
+    out["listed"] = any(col.name in {op["name"] for op in ops} for col in analysis.schedule.collectives)
     return out
 
 
 def fmt_mib(b: dict, parts, grad: bool) -> str:
     fwd, bwd = (sum(b[p, ph] for p in parts) for ph in PHASES)
     return f"{fwd:,.1f} + {bwd:,.1f}" if grad else f"{fwd:,.1f}"
+
+
+def fmt_pair(fwd: float, bwd: float, grad: bool) -> str:
+    return f"{fwd:,.1f} + {bwd:,.1f}" if grad else f"{fwd:,.1f}"
+
+
+def fmt_async(ops: list[dict]) -> str:
+    """``fwd async: <compute ops inside>; bwd ...``: each ragged all-to-all, async or sync, and the
+    compute ops scheduled between its start and done."""
+    return "; ".join(f"{op['phase']} {'async' if op['is_async'] else 'sync'}: {', '.join(op['compute']) or 'none'}"
+                     for op in sorted(ops, key=lambda op: op["phase"] == "bwd")) or "none"
 
 
 def batch_rows(dist: str, dp: int, S: int, seed: int):
@@ -150,20 +275,25 @@ def measure(topo: str, c: int, u: int, t: int, dist: str, S: int, grad: bool, se
     seg, pos, d, dual = first
     ex = d.kv_exchange
     row["docs"] = float(np.mean(seg.max(axis=1) + 1))
-    sizes = set(ex.sizes)
-    row["exchange"] = (f"{ex.name}(block={ex.block}, {len(ex.sizes)} x {ex.sizes[0]})" if len(sizes) == 1 else str(ex))
+    row["exchange"] = str(ex)
     for name, disp in (("dual", dual), ("plan", d)):
         row[name + "_est"] = 1e3 * float(disp.work().max()) * 4 * HEAD_DIM * (H // t) / chip.device_flops
-    # K/V the busiest rank's queries attend on other ranks, per device (its kv heads after Ulysses).
+    # K/V bytes of one token on a device: its kv heads after Ulysses (repeated until each of the
+    # t*u devices holds whole ones), K and V, bfloat16.
+    kv_heads = math.lcm(K, u * t) // (u * t)
+    token_mib = 2 * kv_heads * HEAD_DIM * 2 / 2**20
     seg_r = np.take_along_axis(seg, d.perm, axis=1)
     need = max(int(needed_remote_keys(seg_r[b], d.positions[b], c).max()) for b in range(dp))
-    kv_heads = math.lcm(K, u * t) // (u * t)  # kv heads repeated until each of the t*u devices holds whole ones
-    row["need_mib"] = need * 2 * kv_heads * HEAD_DIM * 2 / 2**20
+    row["need_mib"] = need * token_mib
+    counts = attended.needed_blocks(d.positions, seg_r, c, ex.block, is_causal=True)  # [B = dp, receiver, sender]
+    row["moved_mib"] = (int(counts.sum(axis=2).max()) * ex.block * token_mib,  # fwd: the busiest receiver
+                        int(counts.sum(axis=1).max()) * ex.block * token_mib)  # bwd: dK/dV to the busiest lender
+    row["ppermute_mib"] = d.kv_exchange_for(is_causal=True, transport="ppermute").received_tokens() * token_mib
     args = abstract_args(mesh, dp, S)
     for name, kv in (("dual", "all_gather"), ("plan", ex)):
         a = plan.analyze_program(attention_fn(mesh, kv, grad), args, topology=topo, mesh=mesh,
                                  label=f"{topo} ({c},{u},{t}) {name}")
-        row[name + "_bytes"] = cp_bytes(a)
+        row[name + "_bytes"] = cp_bytes(a, _texts.pop())
         row[name + "_compile"] = a.compile_s
         row[name + "_gib"] = a.memory.total / 2**30
         calls = sum(n for _, n in a.kernel_calls)
@@ -184,10 +314,11 @@ def main():
     t_start = time.perf_counter()
     mib = "fwd + bwd" if grad else "fwd"
     print(f"| topology | layout (c,u,t) dp | documents | S | docs/row | pairs slowest/mean: dual-chunk | dispatch "
-          f"| est. attention ms, slowest device: dual-chunk | dispatch | CP MiB/device/layer ({mib}): dual-chunk "
-          f"(all_gather) | dispatch, taken | dispatch, fallback | K/V needed MiB (fwd) | exchange | kernel | GiB "
-          f"| compile s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"| est. attention ms, slowest device: dual-chunk | dispatch | CP MiB/device/layer ({mib}): all-gather "
+          f"(dual-chunk) | ragged buffers (static) | ragged moved (run time) | K/V needed (fwd) | other CP "
+          f"| fallback | ppermute (host) | ragged async, compute inside | exchange | kernel | GiB | compile s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    listed = []
     for case in args.case or CASES:
         topo, c, u, t = parse_case(case)
         for S in args.seq:
@@ -196,16 +327,24 @@ def main():
                 rd, rp = r["ratios"]["dual"], r["ratios"]["plan"]
                 kernel = r["plan_kernel"] if r["plan_kernel"] == r["dual_kernel"] else \
                     f"{r['dual_kernel']} / {r['plan_kernel']}"
+                pb = r["plan_bytes"]
+                listed.append(pb["listed"])
                 print(f"| {topo} | ({c},{u},{t}) dp={r['dp']} | {dist} | {S // 1024}K | {r['docs']:.0f} "
                       f"| {rd[0]:.2f} ({max(rd):.2f}) | {rp[0]:.3f} ({max(rp):.3f}) "
                       f"| {r['dual_est']:.3f} | {r['plan_est']:.3f} "
-                      f"| {fmt_mib(r['dual_bytes'], ('common', 'permute', 'fallback'), grad)} "
-                      f"| {fmt_mib(r['plan_bytes'], ('common', 'permute'), grad)} "
-                      f"| {fmt_mib(r['plan_bytes'], ('common', 'fallback'), grad)} | {r['need_mib']:.1f} "
+                      f"| {fmt_mib(r['dual_bytes'], ('common', 'taken', 'fallback'), grad)} "
+                      f"| {fmt_mib(pb, ('ragged',), grad)} | {fmt_pair(*r['moved_mib'], grad)} | {r['need_mib']:.1f} "
+                      f"| {fmt_mib(pb, ('common', 'taken'), grad)} | {fmt_mib(pb, ('common', 'fallback'), grad)} "
+                      f"| {fmt_pair(r['ppermute_mib'], r['ppermute_mib'], grad)} | {fmt_async(pb['ragged_ops'])} "
                       f"| {r['exchange']} | {kernel} | {r['dual_gib']:.2f} / {r['plan_gib']:.2f} "
                       f"| {r['dual_compile']:.0f} + {r['plan_compile']:.0f} |", flush=True)
-    print(f"\n{time.perf_counter() - t_start:.0f} s; jax {jax.__version__}; batch 0 compiled, "
-          f"{args.batches} batches planned (host); seed {args.seed}.")
+    try:
+        libtpu = importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        libtpu = "?"
+    print(f"\n{time.perf_counter() - t_start:.0f} s; jax {jax.__version__}, libtpu {libtpu}; batch 0 compiled, "
+          f"{args.batches} batches planned (host); seed {args.seed}. plan.analyze_schedule lists the "
+          f"ragged-all-to-all: {'yes' if all(listed) else 'no' if not any(listed) else 'in some programs'}.")
 
 
 if __name__ == "__main__":
