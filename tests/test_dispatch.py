@@ -281,51 +281,35 @@ def test_reorder_keeps_the_sharding(axis_type):
     np.testing.assert_array_equal(d.restore(d.reorder(x)[0]), x)
 
 
-# (cp_colossal, cp_ulysses, tp), kv_exchange, kv heads, window: every exchange on both meshes, GQA, windows.
-E2E = [((4, 2, 1), "all_gather", 2, None), ((4, 2, 1), "ring", 2, None), ((4, 2, 1), "all_to_all", 8, None),
-       ((2, 2, 2), "all_gather", 2, (16, 0)), ((2, 2, 2), "ring", 2, None), ((2, 2, 2), "all_to_all", 2, None),
-       ((8, 1, 1), "ring", 2, 24)]
+# (cp_colossal, cp_ulysses, tp), kv_exchange, kv heads, window, kernel: every exchange on both meshes,
+# GQA, windows ("attended": the plan's own exchange); splash (ring steps, after Attended) and pallas_gpu
+# run in Pallas interpret mode off their platforms.
+E2E = [((4, 2, 1), "all_gather", 2, None, "auto"), ((4, 2, 1), "ring", 2, None, "auto"),
+       ((4, 2, 1), "all_to_all", 8, None, "auto"), ((2, 2, 2), "all_gather", 2, (16, 0), "auto"),
+       ((2, 2, 2), "ring", 2, None, "auto"), ((2, 2, 2), "all_to_all", 2, None, "auto"),
+       ((8, 1, 1), "ring", 2, 24, "auto"), ((4, 2, 1), "ring", 2, None, "splash"),
+       ((4, 2, 1), "all_gather", 2, None, "pallas_gpu"), ((4, 2, 1), "attended", 2, None, "splash")]
 
 
-@pytest.mark.parametrize("cut,kv_exchange,K,window", E2E)
-def test_attention_on_the_dispatched_order_matches_the_reference(cut, kv_exchange, K, window):
+@pytest.mark.parametrize("cut,kv_exchange,K,window,kernel", E2E)
+def test_attention_on_the_dispatched_order_matches_the_reference(cut, kv_exchange, K, window, kernel):
     """reorder -> dot_product_attention -> restore equals the reference on the natural order,
     forward and gradients (through the reorder and the restore)."""
     c, u, t = cut
     mesh = jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t)
-    d, seg, pos = _plan_small(mesh, seed=c + 10 * u, local_window_size=window)
+    d, seg, pos = _plan_small(mesh, seed=c + 10 * u + (kernel != "auto"), local_window_size=window)
+    ex = d.kv_exchange if kv_exchange == "attended" else kv_exchange
     q, k, v, ct = random_qkv(2, 128, 8, K, 8, seed=c * u)
 
     def f(q, k, v):
         (q, k, v, seg_r), positions = d.reorder((q, k, v, jnp.asarray(seg)))
         o = jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, positions=positions,
-                                         segment_ids=seg_r, local_window_size=window, kv_exchange=kv_exchange)
+                                         segment_ids=seg_r, local_window_size=window, kv_exchange=ex, kernel=kernel)
         return d.restore(o)
 
     ref = lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=True, positions=jnp.asarray(pos),
                                                           segment_ids=jnp.asarray(seg), local_window_size=window)
-    assert_matches(f, ref, (q, k, v), ct, jnp.float32, f"{cut=} {kv_exchange=} {K=} {window=}")
-
-
-@pytest.mark.parametrize("kv_exchange,kernel", [("ring", "splash"), ("all_gather", "pallas_gpu"),
-                                                ("attended", "splash")])
-def test_the_pallas_kernels_on_the_dispatched_order(kv_exchange, kernel):
-    """The dispatched order through splash (each ring step, or after the plan's Attended exchange) and
-    pallas_gpu, in Pallas interpret mode off their platforms: equal to the reference, with gradients."""
-    mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
-    d, seg, pos = _plan_small(mesh, seed=9)
-    ex = d.kv_exchange if kv_exchange == "attended" else kv_exchange
-    q, k, v, ct = random_qkv(2, 128, 8, 2, 8, seed=7)
-
-    def f(q, k, v):
-        (q, k, v, seg_r), positions = d.reorder((q, k, v, jnp.asarray(seg)))
-        o = jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, positions=positions,
-                                         segment_ids=seg_r, kv_exchange=ex, kernel=kernel)
-        return d.restore(o)
-
-    ref = lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=True, positions=jnp.asarray(pos),
-                                                          segment_ids=jnp.asarray(seg))
-    assert_matches(f, ref, (q, k, v), ct, jnp.float32, f"{ex} {kernel}")
+    assert_matches(f, ref, (q, k, v), ct, jnp.float32, f"{cut=} {kv_exchange=} {K=} {window=} {kernel=}")
 
 
 ERRORS = [
