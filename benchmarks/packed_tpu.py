@@ -35,9 +35,9 @@ Columns (per device and layer; MiB, fwd + bwd):
   ``Analysis.schedule``): every collective over ``cp_colossal`` / ``cp_ulysses`` only, its bytes
   (the larger of its input and output buffers) as often as it runs, the backward's dK/dV
   exchanges included (``Schedule.select(cp_only=False)``);
-* "ragged buffers": the static buffers of dispatch's ``ragged-all-to-all`` ops, read here from the
-  scheduled HLO (``plan.analyze_schedule`` does not list them: ``ragged_buffers``): each op's
-  larger of operand and result, ``capacity x block`` tokens; what the compiled program holds;
+* "ragged buffers": the static buffers of dispatch's ``ragged-all-to-all`` ops in the schedule
+  (``Analysis.schedule``): each op's larger of operand and result, ``capacity x block`` tokens;
+  what the compiled program holds;
 * "ragged moved": what moves at run time on batch 0: the busiest device's needed blocks (sum over
   senders, ``attended.needed_blocks``, the rule the devices apply) x ``block`` x the K/V bytes of a
   token (bfloat16 K and V of the kv heads each device holds after the Ulysses exchange); backward:
@@ -54,9 +54,9 @@ Columns (per device and layer; MiB, fwd + bwd):
   distance, received in full), ``block x sum(sizes)`` x the bytes of a token, the same back:
   from the host, not compiled;
 * "ragged async, compute inside": for dispatch's forward and backward ragged-all-to-all, whether
-  the schedule has it as ``async-start``/``async-done``, and the compute ops (a kernel call by
-  name; a matmul, or a fusion holding one, by its result's element type: ``plan.analyze_schedule``'s
-  test) scheduled between the two, which its transfer can overlap;
+  the schedule has it as a start/done pair, and the compute ops scheduled between the two
+  (``Collective.compute_inside``: a kernel call by name, else "fusion"), which its transfer can
+  overlap;
 * "exchange": ``Dispatch.kv_exchange``; "kernel": what the compiled programs call (splash: kernel
   calls in dual-chunk's / dispatch's program, both ``lax.cond`` branches counted); "GiB": the
   compiler's memory per device (``Memory.total``), dual-chunk / dispatch; "compile s": the two compiles.
@@ -83,7 +83,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import jax_cp  # noqa: E402
 from jax_cp import load_balance, plan  # noqa: E402
 from jax_cp.exchanges import attended  # noqa: E402
-from jax_cp.plan import _analyze, _hlo  # noqa: E402
 from packed_exchange import DISTRIBUTIONS, needed_remote_keys, packed_row  # noqa: E402
 
 H, K, HEAD_DIM = 32, 8, 128  # Llama-3-8B attention
@@ -92,20 +91,6 @@ CASES = ("v5e:4x4:4,1,4", "v5p:4x4x4:4,4,4", "v5p:4x4x4:16,1,4")
 CP_AXES = {jax_cp.COLOSSAL, jax_cp.ULYSSES}
 PHASES = ("fwd", "bwd")
 RAGGED = "ragged-all-to-all"
-
-# plan.analyze_program reads the scheduled HLO and keeps only its Analysis; the ragged all-to-all
-# (which its schedule reader does not list) is read here from the same text.
-_texts: list[str] = []
-_scheduled_text = _analyze._scheduled_text
-
-
-def _keep_text(compiled, dump):
-    _texts.append(_scheduled_text(compiled, dump))
-    return _texts[-1]
-
-
-_analyze._scheduled_text = _keep_text
-
 
 def parse_case(case: str):
     topo, layout = case.rsplit(":", 1)
@@ -137,98 +122,29 @@ def abstract_args(mesh, B: int, S: int):
     return qkv(H), qkv(K), qkv(K), ids, ids
 
 
-def _reach(mod, comp: str, seen=None) -> set[str]:
-    """``comp`` and every computation it calls, transitively."""
-    seen = set() if seen is None else seen
-    if comp not in seen:
-        seen.add(comp)
-        for i in mod.comps.get(comp, ()):
-            for c in i.called:
-                _reach(mod, c, seen)
-    return seen
-
-
-def _holds_ragged(mod, comp: str) -> bool:
-    return any(i.opcode.startswith(RAGGED) for c in _reach(mod, comp) for i in mod.comps.get(c, ()))
-
-
-def branches(mod) -> tuple[set[str], set[str]]:
-    """Computations of the ``lax.cond`` branches holding a ragged all-to-all ("taken"), and of the
-    other branches of the same conditionals ("fallback")."""
-    taken, fallback = set(), set()
-    for instrs in mod.comps.values():
-        for i in instrs:
-            if i.opcode != "conditional" or not any(_holds_ragged(mod, b) for b in i.called):
-                continue
-            for b in i.called:
-                (taken if _holds_ragged(mod, b) else fallback).update(_reach(mod, b))
-    return taken, fallback
-
-
-def _is_compute(mod, i) -> bool:
-    """``plan.analyze_schedule``'s test: a matmul, a kernel call, or a fusion (call, loop) holding one."""
-    if i.opcode in _hlo._COMPUTE_OPS or (i.opcode == "custom-call" and _hlo._KERNEL_TARGETS.search(i.target)):
-        return True
-    return i.opcode in ("fusion", "call", "while", "conditional") and any(mod.contains(c, "compute") for c in i.called)
-
-
-def _what(i) -> str:
-    """A compute op in a few words: a kernel call's name, or the op and its result's element type."""
-    if i.opcode == "custom-call":
-        return i.name.split(".")[0].replace("_segmented", "").replace("_no_residuals", "")
-    return f"{i.opcode} {i.shape.lstrip('(').split('[')[0]}"
-
-
-def ragged_buffers(mod) -> list[dict]:
-    """Every ragged all-to-all of the scheduled module: phase, buffer bytes (the larger of its
-    operand and result), whether it is an async start/done pair, and the compute ops scheduled
-    between the two."""
-    out = []
-    for comp in mod.scheduled():
-        instrs = mod.comps[comp]
-        table = mod.by_name[comp]
-        for pos, i in enumerate(instrs):
-            inner = next((x for c in i.called for x in mod.comps.get(c, ()) if x.opcode == RAGGED), None)
-            if i.opcode == RAGGED + "-start" or (i.opcode == "async-start" and inner is not None):
-                core, is_async = (inner or i), True
-            elif i.opcode == RAGGED:
-                core, is_async = i, False
-            else:
-                continue
-            end = next((k for k in range(pos + 1, len(instrs)) if instrs[k].opcode in ("async-done", RAGGED + "-done")
-                        and i.name in instrs[k].operands), pos) if is_async else pos
-            result = instrs[end].shape if end != pos else core.shape
-            first = (i.refs or i.operands)[0]
-            operand = table[first.split("#")[0]].shape if first.split("#")[0] in table else ""
-            compute = [_what(x) for x in instrs[pos + 1:end] if _is_compute(mod, x)]
-            op_name = core.op_name or i.op_name
-            out.append(dict(phase="bwd" if "transpose(" in op_name else "fwd", is_async=is_async and end != pos,
-                            bytes=max(_hlo.array_bytes(operand), _hlo.array_bytes(result)), compute=compute,
-                            name=i.name))
-    return out
-
-
-def cp_bytes(analysis, text: str) -> dict:
-    """``{(part, phase): MiB}`` per device; part: "common" (outside ``Attended``'s ``lax.cond``),
-    "taken" (its ragged branch's other collectives), "fallback" (its all-gather branch), "ragged"
-    (the ragged all-to-all buffers); and "ragged_ops" (``ragged_buffers``), "listed" (whether
-    ``analysis.schedule`` lists any ragged all-to-all)."""
-    mod = _hlo._Module(text)
-    taken, fallback = branches(mod)
-    comp_of = {name: comp for comp, names in mod.by_name.items() for name in names}
+def cp_bytes(analysis) -> dict:
+    """``{(part, phase): MiB}`` per device, from ``analysis.schedule``; part: "common" (outside
+    ``Attended``'s ``lax.cond``), "taken" (its ragged branch's other collectives), "fallback" (its
+    all-gather branch), "ragged" (the ragged all-to-all buffers); and "ragged_ops" (those
+    collectives)."""
     out = {(part, ph): 0.0 for part in ("common", "taken", "fallback", "ragged") for ph in PHASES}
+    ragged = []
     for col in analysis.schedule.select(cp_only=False):
         if not col.axes or not set(col.axes) <= CP_AXES:
             continue
-        comp = comp_of.get(col.name)
-        part = "taken" if comp in taken else "fallback" if comp in fallback else "common"
+        # lax.cond(overflow, all-gather, ragged): branch 0 is the ragged one (the false branch).
+        part = ("ragged" if col.kind == RAGGED else "taken" if "cond/branch_0_fun" in col.op_name
+                else "fallback" if "cond/branch_1_fun" in col.op_name else "common")
         out[part, col.phase] += col.bytes * col.iterations / 2**20
-    ops = ragged_buffers(mod)
-    for op in ops:
-        out["ragged", op["phase"]] += op["bytes"] / 2**20
-    out["ragged_ops"] = ops
-    out["listed"] = any(col.name in {op["name"] for op in ops} for col in analysis.schedule.collectives)
+        if col.kind == RAGGED:
+            ragged.append(col)
+    out["ragged_ops"] = ragged
     return out
+
+
+def _what(name: str) -> str:
+    """A compute op in a few words: a kernel call's name (splash_mha_fwd, ...), or "fusion"."""
+    return name.split(".")[0].replace("_segmented", "").replace("_no_residuals", "").replace("_residuals", "")
 
 
 def fmt_mib(b: dict, parts, grad: bool) -> str:
@@ -240,11 +156,12 @@ def fmt_pair(fwd: float, bwd: float, grad: bool) -> str:
     return f"{fwd:,.1f} + {bwd:,.1f}" if grad else f"{fwd:,.1f}"
 
 
-def fmt_async(ops: list[dict]) -> str:
+def fmt_async(ops) -> str:
     """``fwd async: <compute ops inside>; bwd ...``: each ragged all-to-all, async or sync, and the
-    compute ops scheduled between its start and done."""
-    return "; ".join(f"{op['phase']} {'async' if op['is_async'] else 'sync'}: {', '.join(op['compute']) or 'none'}"
-                     for op in sorted(ops, key=lambda op: op["phase"] == "bwd")) or "none"
+    compute ops scheduled between its start and done (``Collective.compute_inside``)."""
+    return "; ".join(f"{op.phase} {'async' if op.is_async else 'sync'}: "
+                     f"{', '.join(sorted(set(map(_what, op.compute_inside)))) or 'none'}"
+                     for op in sorted(ops, key=lambda op: op.phase == "bwd")) or "none"
 
 
 def batch_rows(dist: str, dp: int, S: int, seed: int):
@@ -293,7 +210,7 @@ def measure(topo: str, c: int, u: int, t: int, dist: str, S: int, grad: bool, se
     for name, kv in (("dual", "all_gather"), ("plan", ex)):
         a = plan.analyze_program(attention_fn(mesh, kv, grad), args, topology=topo, mesh=mesh,
                                  label=f"{topo} ({c},{u},{t}) {name}")
-        row[name + "_bytes"] = cp_bytes(a, _texts.pop())
+        row[name + "_bytes"] = cp_bytes(a)
         row[name + "_compile"] = a.compile_s
         row[name + "_gib"] = a.memory.total / 2**30
         calls = sum(n for _, n in a.kernel_calls)
@@ -318,7 +235,6 @@ def main():
           f"(dual-chunk) | ragged buffers (static) | ragged moved (run time) | K/V needed (fwd) | other CP "
           f"| fallback | ppermute (host) | ragged async, compute inside | exchange | kernel | GiB | compile s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    listed = []
     for case in args.case or CASES:
         topo, c, u, t = parse_case(case)
         for S in args.seq:
@@ -328,7 +244,6 @@ def main():
                 kernel = r["plan_kernel"] if r["plan_kernel"] == r["dual_kernel"] else \
                     f"{r['dual_kernel']} / {r['plan_kernel']}"
                 pb = r["plan_bytes"]
-                listed.append(pb["listed"])
                 print(f"| {topo} | ({c},{u},{t}) dp={r['dp']} | {dist} | {S // 1024}K | {r['docs']:.0f} "
                       f"| {rd[0]:.2f} ({max(rd):.2f}) | {rp[0]:.3f} ({max(rp):.3f}) "
                       f"| {r['dual_est']:.3f} | {r['plan_est']:.3f} "
@@ -343,8 +258,7 @@ def main():
     except importlib.metadata.PackageNotFoundError:
         libtpu = "?"
     print(f"\n{time.perf_counter() - t_start:.0f} s; jax {jax.__version__}, libtpu {libtpu}; batch 0 compiled, "
-          f"{args.batches} batches planned (host); seed {args.seed}. plan.analyze_schedule lists the "
-          f"ragged-all-to-all: {'yes' if all(listed) else 'no' if not any(listed) else 'in some programs'}.")
+          f"{args.batches} batches planned (host); seed {args.seed}.")
 
 
 if __name__ == "__main__":

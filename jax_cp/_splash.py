@@ -417,15 +417,18 @@ def _splash_spans(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_i
     qx, qm, home, step = ring_prepare(q_BTHd, k_BSKd, v_BSKd, q_positions, q_segment_ids, scale=scale, is_causal=True,
                                       interpret=interpret, soft_cap=soft_cap, window=window, span_BT=q_span_ids,
                                       kv_span_BT=kv_span_ids, kv_seg_BT=kv_segment_ids, kv_pos_BT=kv_positions)
-    return jnp.swapaxes(prepared_attention(qx, qm, home, sinks, step)[:, :, :q_BTHd.shape[1]], 1, 2)
+    return jnp.swapaxes(prepared_attention(qx, qm, (home,), sinks, (step,))[:, :, :q_BTHd.shape[1]], 1, 2)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
-def prepared_attention(qx, qm, home, sinks, step: RingStep):
-    """The queries ``qx`` (``ring_prepare``'s) attended to one prepared chunk ``home``, sinks folded in
-    once: ``o [B, H, Tp, d]`` in the queries' dtype. Differentiable in ``qx``, the chunk's K/V and
-    ``sinks``; the backward runs splash's backward kernels with this output and log-sum-exp."""
-    return _prepared_fwd(qx, qm, home, sinks, step)[0]
+def prepared_attention(qx, qm, homes: tuple, sinks, steps: tuple):
+    """The queries ``qx`` (``ring_prepare``'s) attended to prepared chunks ``homes`` (one ``RingStep``
+    each, ``steps``: the chunks may differ in length), merged by log-sum-exp, sinks folded in once:
+    ``o [B, H, Tp, d]`` in the queries' dtype. Differentiable in ``qx``, the chunks' K/V and
+    ``sinks``; the backward runs splash's backward kernels on each chunk with the merged output and
+    log-sum-exp. A chunk's calls need only that chunk: one in hand is attended while another is
+    still arriving."""
+    return _prepared_fwd(qx, qm, homes, sinks, steps)[0]
 
 
 def finish(o, lse, sinks, dtype):
@@ -443,17 +446,21 @@ def sinks_cotangent(sinks, lse, o, do):
     return sinks_grad(sinks, lse, delta, head_axis=1)
 
 
-def _prepared_fwd(qx, qm, home, sinks, step):
-    o, lse = finish(*ring_forward_step(step, qx, qm, home, None, 0), sinks, qx.dtype)
-    return o, (qx, qm, home, o, lse, sinks)
+def _prepared_fwd(qx, qm, homes, sinks, steps):
+    carry = None
+    for home, step in zip(homes, steps, strict=True):
+        carry = ring_forward_step(step, qx, qm, home, carry, 0)
+    o, lse = finish(*carry, sinks, qx.dtype)
+    return o, (qx, qm, homes, o, lse, sinks)
 
 
-def _prepared_bwd(step, res, do):
-    qx, qm, home, o, lse, sinks = res
-    dq, dk, dv = ring_backward_step(step, qx, qm, home, o, lse, do, None, 0)
-    k, v = home[0], home[1]
-    return (dq.astype(qx.dtype), jax.tree.map(lambda _: None, qm),
-            (dk.astype(k.dtype), dv.astype(v.dtype), *(None,) * (len(home) - 2)), sinks_cotangent(sinks, lse, o, do))
+def _prepared_bwd(steps, res, do):
+    qx, qm, homes, o, lse, sinks = res
+    dq, dhomes = None, []
+    for home, step in zip(homes, steps, strict=True):
+        dq, dk, dv = ring_backward_step(step, qx, qm, home, o, lse, do, dq, 0)
+        dhomes.append((dk.astype(home[0].dtype), dv.astype(home[1].dtype), *(None,) * (len(home) - 2)))
+    return dq.astype(qx.dtype), jax.tree.map(lambda _: None, qm), tuple(dhomes), sinks_cotangent(sinks, lse, o, do)
 
 
 prepared_attention.defvjp(_prepared_fwd, _prepared_bwd)

@@ -42,7 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_cp import _splash
 from jax_cp import kernels as _kernels
+from jax_cp._blockwise import check_soft_cap, varying_sinks
 from jax_cp._masks import normalize_window
 from jax_cp._mesh import COLOSSAL, DP, seq_chunk
 from jax_cp._platform import target_platform
@@ -147,10 +149,7 @@ class Attended(KVExchange):
                 n = min(n, Tk // U)
                 if n:
                     parts.append(plan.exchange(kv, k, n))
-            keys, pos, seg, span = ([p[i] for p in parts] for i in range(4))
-            return _attend(q, jnp.concatenate(keys, axis=1), meta, jnp.concatenate(pos, axis=1),
-                           jnp.concatenate(seg, axis=1), spec, sinks, q_seg=plan.q_seg,
-                           kv_span=None if plan.kspan is None else jnp.concatenate(span, axis=1))
+            return _attend_parts(q, parts, meta, spec, sinks, plan.q_seg)
 
         return lax.cond(overflow > 0, lambda q, kv: _all_gathered(q, kv, meta, spec, sinks), selected, q_BTHd, kv)
 
@@ -167,11 +166,9 @@ def _ragged_attend(q_BTHd, kv, meta: Meta, spec, sinks, plan: "_Plan", capacity:
 
     def selected(q, kv):
         got, pos, seg, span = _ragged_blocks(kv, sends, gets, plan, cap)
-        rows = pos.shape[0]  # every row's keys: its own, then the received blocks of that row
-        kv_all = jnp.concatenate([kv, jnp.broadcast_to(got[None], (rows, *got.shape))], axis=1)
-        return _attend(q, kv_all, meta, jnp.concatenate([plan.own_pos, pos], axis=1),
-                       jnp.concatenate([plan.own_seg, seg], axis=1), spec, sinks, q_seg=plan.q_seg,
-                       kv_span=None if span is None else jnp.concatenate([plan.own_span, span], axis=1))
+        got = jnp.broadcast_to(got[None], (pos.shape[0], *got.shape))  # every row's received blocks
+        return _attend_parts(q, [(kv, plan.own_pos, plan.own_seg, plan.own_span), (got, pos, seg, span)], meta, spec,
+                             sinks, plan.q_seg)
 
     return lax.cond(overflow > 0, lambda q, kv: _all_gathered(q, kv, meta, spec, sinks), selected, q_BTHd, kv)
 
@@ -240,8 +237,58 @@ def _all_gathered(q_BTHd, kv_BT2Kd, meta: Meta, spec, sinks):
     return AllGather().attend(q_BTHd, k, v, meta, spec, sinks)
 
 
-def _attend(q_BTHd, kv_BS2Kd, meta: Meta, kv_pos, kv_seg, spec, sinks, q_seg=None, kv_span=None):
-    """The local kernel on this rank's queries and the keys in hand, their metadata as data."""
+def _attend_parts(q_BTHd, parts, meta: Meta, spec, sinks, q_seg):
+    """The local kernel on this rank's queries and several parts of keys ``(kv, positions, segment ids,
+    span ids)`` (its own first, then what arrived), each attended on its own and merged by
+    log-sum-exp where the kernel allows it (splash, blockwise, pallas_gpu, ``"xla"``; no max-logit
+    statistic or residual asked): the own keys' work then needs no transfer, so the scheduler can
+    run it while the others arrive. Else one call on every key."""
+    kernel, plain = spec.kernel, not (spec.record_max_logits or spec.return_residual)
+    if len(parts) > 1 and plain and kernel == _kernels.SPLASH:
+        return _splash_parts(q_BTHd, parts, meta, spec, sinks, q_seg)
+    if len(parts) > 1 and plain and sinks is None and kernel in (_kernels.BLOCKWISE, _kernels.PALLAS_GPU,
+                                                                 _kernels.DENSE):
+        outs = [_attend(q_BTHd, kv, meta, pos, seg, spec, None, q_seg, span, with_lse=True)
+                for kv, pos, seg, span in parts]
+        return _merge([o for o, _ in outs], [lse for _, lse in outs]).astype(q_BTHd.dtype)
+    kv, pos, seg, span = ([p[i] for p in parts] for i in range(4))
+    return _attend(q_BTHd, jnp.concatenate(kv, axis=1), meta, jnp.concatenate(pos, axis=1),
+                   jnp.concatenate(seg, axis=1), spec, sinks, q_seg, None if span[0] is None else jnp.concatenate(span, axis=1))
+
+
+def _merge(outs, lses):
+    """Softmaxes over disjoint keys (``o [B, T, H, d]``, log-sum-exp ``[B, T, H]``) merged into one; a
+    row that sees no key in any part (every log-sum-exp ``-inf``) is zero."""
+    top = jnp.max(jnp.stack(lses), axis=0)
+    top = lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
+    weights = [jnp.exp(lse - top) for lse in lses]
+    total = sum(weights)
+    total = jnp.where(total > 0, total, 1.0)
+    return sum(o.astype(jnp.float32) * (w / total)[..., None] for o, w in zip(outs, weights))
+
+
+def _splash_parts(q_BTHd, parts, meta: Meta, spec, sinks, q_seg):
+    """``_attend_parts`` with splash: each part prepared as a ring chunk, attended by
+    ``_splash.prepared_attention`` (the ring's steps and merged-residual backward)."""
+    pos = seq_chunk(meta.pos, (COLOSSAL,))
+    span = None if meta.span is None else seq_chunk(meta.span, (COLOSSAL,))
+    chunks = []
+    for kv, kv_pos, kv_seg, kv_span in parts:
+        k, v = _unpair_kv(kv, q_BTHd.shape[-1])
+        chunks.append(_splash.ring_prepare(
+            q_BTHd, k, v, pos, q_seg, scale=spec.scale, is_causal=spec.is_causal,
+            interpret=target_platform() != "tpu", soft_cap=check_soft_cap(spec.logits_soft_cap), kv_seg_BT=kv_seg,
+            kv_pos_BT=kv_pos, window=normalize_window(spec.local_window_size), span_BT=span, kv_span_BT=kv_span))
+    qx, qm = chunks[0][:2]
+    sinks = varying_sinks(sinks, q_BTHd, *(p[0] for p in parts))
+    o = _splash.prepared_attention(qx, qm, tuple(c[2] for c in chunks), sinks, tuple(c[3] for c in chunks))
+    return jnp.swapaxes(o[:, :, :q_BTHd.shape[1]], 1, 2)
+
+
+def _attend(q_BTHd, kv_BS2Kd, meta: Meta, kv_pos, kv_seg, spec, sinks, q_seg=None, kv_span=None,
+            with_lse: bool = False):
+    """The local kernel on this rank's queries and the keys in hand, their metadata as data
+    (``with_lse``: ``(o, log-sum-exp)``, for a merge)."""
     pos = seq_chunk(meta.pos, (COLOSSAL,))
     q_seg = seq_chunk(meta.seg, (COLOSSAL,)) if q_seg is None else q_seg
     k, v = _unpair_kv(kv_BS2Kd, q_BTHd.shape[-1])
@@ -250,7 +297,8 @@ def _attend(q_BTHd, kv_BS2Kd, meta: Meta, kv_pos, kv_seg, spec, sinks, q_seg=Non
         q_BTHd, k, v, kernel=spec.kernel, q_positions=pos, kv_positions=kv_pos, q_segment_ids=q_seg,
         kv_segment_ids=kv_seg, is_causal=spec.is_causal, local_window_size=spec.local_window_size,
         scale=spec.scale, block_q=spec.block_q, block_kv=spec.block_kv, logits_soft_cap=spec.logits_soft_cap,
-        sinks=sinks, return_max_logits=spec.record_max_logits, return_residual=spec.return_residual, **spans,
+        sinks=sinks, return_max_logits=spec.record_max_logits, return_residual=spec.return_residual or with_lse,
+        **spans,
     )
 
 

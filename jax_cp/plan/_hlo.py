@@ -6,7 +6,7 @@ convolution/dot, directly or inside a fusion, or a kernel custom-call) is
 scheduled between its start and its done. Async forms recognised:
 
 * ``all-to-all-start``/``-done`` (and ``all-gather-``, ``all-reduce-``,
-  ``collective-permute-``, ``reduce-scatter-start``/``-done``);
+  ``collective-permute-``, ``reduce-scatter-``, ``ragged-all-to-all-start``/``-done``);
 * ``async-start``/``async-update``/``async-done`` wrapping a collective (offloaded to the
   SparseCores, the start takes no data and the update that brings the operand in is where the
   transfer can begin: compute counts as inside from there);
@@ -39,7 +39,7 @@ from jax_cp.plan._hlo_text import Instr, _balanced, array_bytes, parse_module, t
 __all__ = ["Instr", "Collective", "Schedule", "Timeline", "timeline", "parse_module", "analyze_schedule", "instr_flops", "loop_bytes",
            "COLLECTIVE_KINDS"]
 
-COLLECTIVE_KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+COLLECTIVE_KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute", "ragged-all-to-all")
 PHASES = ("fwd", "bwd")
 
 _IOTA_GROUPS = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
@@ -103,7 +103,7 @@ class Collective:
         frac = (n - 1) / n
         if self.kind == "all-reduce":
             return 2 * self.bytes * frac
-        if self.kind == "collective-permute":
+        if self.kind in ("collective-permute", "ragged-all-to-all"):  # ragged: its buffers, an upper bound
             return float(self.bytes)
         return self.bytes * frac
 
@@ -656,7 +656,10 @@ def _describe(mod, comp, i, names, instrs, done_pos, inside, is_async, mesh_shap
     else:
         core, core_comp = mod.inner_collective(i.called[0])
     table = mod.by_name[core_comp]
-    in_bytes = sum(array_bytes(_operand_shape(table, r)) for r in core.refs or core.operands)
+    refs = core.refs or core.operands
+    if _kind(core.opcode) == "ragged-all-to-all":  # (operand, output, offsets and sizes): the data is the first
+        refs = refs[:1]
+    in_bytes = sum(array_bytes(_operand_shape(table, r)) for r in refs)
     out_shape = core.shape
     if core is i and i.opcode.endswith("-start") and done_pos < len(instrs):
         out_shape = instrs[done_pos].shape  # the done's result, not the start's tuple
