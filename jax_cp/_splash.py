@@ -53,7 +53,7 @@ except ImportError as e:  # a JAX without the splash module: unavailable_reason 
     _IMPORT_ERROR = e
 
 __all__ = ["splash_attention", "splash_unsupported_reason", "unavailable_reason", "LANES", "MAX_WINDOW_KEYS",
-           "RingStep", "ring_prepare", "ring_forward_step", "ring_backward_step"]
+           "chunked_attention", "RingStep", "ring_prepare", "ring_forward_step", "ring_backward_step"]
 
 LANES = 128  # splash block sizes are multiples of this
 _BITS = 16  # a window's two bounds share one int32 of q_sequence
@@ -412,12 +412,36 @@ def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids
 @partial(jax.jit, static_argnames=("window", "scale", "interpret", "soft_cap"))
 def _splash_spans(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids, kv_segment_ids, q_span_ids,
                   kv_span_ids, sinks, *, window, scale, interpret, soft_cap):
-    """Causal splash with span ids: the keys prepared as one ring chunk (``ring_prepare``) and attended
-    in one step of two calls (``ring_forward_step``), with its backward (``prepared_attention``)."""
-    qx, qm, home, step = ring_prepare(q_BTHd, k_BSKd, v_BSKd, q_positions, q_segment_ids, scale=scale, is_causal=True,
-                                      interpret=interpret, soft_cap=soft_cap, window=window, span_BT=q_span_ids,
-                                      kv_span_BT=kv_span_ids, kv_seg_BT=kv_segment_ids, kv_pos_BT=kv_positions)
-    return jnp.swapaxes(prepared_attention(qx, qm, (home,), sinks, (step,))[:, :, :q_BTHd.shape[1]], 1, 2)
+    """Causal splash with span ids: the keys as one chunk of ``chunked_attention``."""
+    return chunked_attention(q_BTHd, [(k_BSKd, v_BSKd, kv_positions, kv_segment_ids, kv_span_ids)],
+                             q_positions=q_positions, q_segment_ids=q_segment_ids, q_span_ids=q_span_ids,
+                             is_causal=True, window=window, scale=scale, soft_cap=soft_cap, interpret=interpret,
+                             sinks=sinks)
+
+
+def chunked_attention(q_BTHd, chunks, *, q_positions, q_segment_ids=None, q_span_ids=None, is_causal: bool,
+                      window=None, scale=None, soft_cap=None, interpret: bool = False, sinks=None):
+    """Splash attention of the queries to several chunks of keys, each prepared as a ring chunk
+    (``ring_prepare``) and attended on its own, merged by log-sum-exp (``prepared_attention``): a
+    chunk in hand is attended while another is still arriving.
+
+    Args:
+        q_BTHd: the queries.
+        chunks: ``(k [B, S_i, K, d], v, positions [B, S_i], segment ids or None, span ids or None)`` each.
+        q_positions, q_segment_ids, q_span_ids: the queries' metadata.
+        is_causal, window, scale, soft_cap: the mask (``window``: ``(left, right)`` or None), scale, soft cap.
+        interpret: Pallas interpret mode.
+        sinks: ``[H]`` sink logits folded in once, or None.
+
+    Returns:
+        ``o`` ``[B, T, H, d]``.
+    """
+    prepared = [ring_prepare(q_BTHd, k, v, q_positions, q_segment_ids, scale=scale, is_causal=is_causal,
+                             interpret=interpret, soft_cap=soft_cap, kv_seg_BT=seg, kv_pos_BT=pos, window=window,
+                             span_BT=q_span_ids, kv_span_BT=span) for k, v, pos, seg, span in chunks]
+    qx, qm = prepared[0][:2]  # the same for every chunk
+    o = prepared_attention(qx, qm, tuple(p[2] for p in prepared), sinks, tuple(p[3] for p in prepared))
+    return jnp.swapaxes(o[:, :, :q_BTHd.shape[1]], 1, 2)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))

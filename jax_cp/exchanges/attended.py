@@ -268,21 +268,14 @@ def _merge(outs, lses):
 
 
 def _splash_parts(q_BTHd, parts, meta: Meta, spec, sinks, q_seg):
-    """``_attend_parts`` with splash: each part prepared as a ring chunk, attended by
-    ``_splash.prepared_attention`` (the ring's steps and merged-residual backward)."""
-    pos = seq_chunk(meta.pos, (COLOSSAL,))
-    span = None if meta.span is None else seq_chunk(meta.span, (COLOSSAL,))
-    chunks = []
-    for kv, kv_pos, kv_seg, kv_span in parts:
-        k, v = _unpair_kv(kv, q_BTHd.shape[-1])
-        chunks.append(_splash.ring_prepare(
-            q_BTHd, k, v, pos, q_seg, scale=spec.scale, is_causal=spec.is_causal,
-            interpret=target_platform() != "tpu", soft_cap=check_soft_cap(spec.logits_soft_cap), kv_seg_BT=kv_seg,
-            kv_pos_BT=kv_pos, window=normalize_window(spec.local_window_size), span_BT=span, kv_span_BT=kv_span))
-    qx, qm = chunks[0][:2]
-    sinks = varying_sinks(sinks, q_BTHd, *(p[0] for p in parts))
-    o = _splash.prepared_attention(qx, qm, tuple(c[2] for c in chunks), sinks, tuple(c[3] for c in chunks))
-    return jnp.swapaxes(o[:, :, :q_BTHd.shape[1]], 1, 2)
+    """``_attend_parts`` with splash: ``_splash.chunked_attention`` over the parts."""
+    chunks = [(*_unpair_kv(kv, q_BTHd.shape[-1]), pos, seg, span) for kv, pos, seg, span in parts]
+    return _splash.chunked_attention(
+        q_BTHd, chunks, q_positions=seq_chunk(meta.pos, (COLOSSAL,)), q_segment_ids=q_seg,
+        q_span_ids=None if meta.span is None else seq_chunk(meta.span, (COLOSSAL,)), is_causal=spec.is_causal,
+        window=normalize_window(spec.local_window_size), scale=spec.scale,
+        soft_cap=check_soft_cap(spec.logits_soft_cap), interpret=target_platform() != "tpu",
+        sinks=varying_sinks(sinks, q_BTHd, *(p[0] for p in parts)))
 
 
 def _attend(q_BTHd, kv_BS2Kd, meta: Meta, kv_pos, kv_seg, spec, sinks, q_seg=None, kv_span=None,
