@@ -98,7 +98,8 @@ def measure(kind: str, mean: float, S: int, c: int, rows: int, window, seed: int
     ms = (time.perf_counter() - t0) * 1e3 / rows
     seg_r = np.take_along_axis(seg, d.perm, axis=1)
     need = np.stack([needed_remote_keys(seg_r[b], d.positions[b], c, window) for b in range(rows)])  # [B, c]
-    counts = attended.needed_blocks(d.positions, seg_r, c, ex.block, is_causal=True, local_window_size=w)
+    counts = attended.needed_blocks(d.positions, seg_r, c, ex.block, is_causal=True, local_window_size=w,
+                                    query_block=ex.query_block)
     received = ex.block * counts.sum(axis=2)  # [B, receiver]: the run-time sizes of the ragged all-to-all
     has_need = need > 0
     worst = float((received / np.where(has_need, need, 1))[has_need].max()) if has_need.any() else float("nan")

@@ -202,7 +202,8 @@ def measure(topo: str, c: int, u: int, t: int, dist: str, S: int, grad: bool, se
     seg_r = np.take_along_axis(seg, d.perm, axis=1)
     need = max(int(needed_remote_keys(seg_r[b], d.positions[b], c).max()) for b in range(dp))
     row["need_mib"] = need * token_mib
-    counts = attended.needed_blocks(d.positions, seg_r, c, ex.block, is_causal=True)  # [B = dp, receiver, sender]
+    counts = attended.needed_blocks(d.positions, seg_r, c, ex.block, is_causal=True,
+                                    query_block=ex.query_block)  # [B = dp, receiver, sender]
     row["moved_mib"] = (int(counts.sum(axis=2).max()) * ex.block * token_mib,  # fwd: the busiest receiver
                         int(counts.sum(axis=1).max()) * ex.block * token_mib)  # bwd: dK/dV to the busiest lender
     row["ppermute_mib"] = d.kv_exchange_for(is_causal=True, transport="ppermute").received_tokens() * token_mib

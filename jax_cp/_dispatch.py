@@ -50,9 +50,12 @@ class Dispatch:
       chunks: ``[B, N]`` int32, the natural chunk (tokens ``[n*S/N, (n+1)*S/N)``) at each chunk
         slot; colossal rank ``i`` holds slots ``[i*N/c, (i+1)*N/c)``, in ascending natural order.
       pairs: ``[B, c]`` float64, visible (query, key) pairs of each colossal rank's queries, per row.
-      blocks: ``[B, S/U, 7, 3]`` int32, per block of ``U`` dispatched tokens and each of its three parts
+      blocks: ``[B, S/U, 7, 3]`` int32, per key block of ``U`` dispatched tokens (at most
+        ``exchanges.attended.KEY_BLOCK``) and each of its three parts
         (``exchanges.attended.block_summary``): any valid token, and the valid tokens' least and
         greatest segment id, position and span id other than 0 (what :attr:`kv_exchange` counts).
+      query_blocks: ``[B, S/Uq, 7, 3]`` int32, the same per query block of ``Uq`` tokens (at most
+        ``exchanges.attended.BLOCK``).
       dims: the mesh sizes the plan is for.
       is_causal, window: the mask the plan balanced (and :attr:`kv_exchange` serves).
     """
@@ -63,6 +66,7 @@ class Dispatch:
     chunks: np.ndarray
     pairs: np.ndarray
     blocks: np.ndarray
+    query_blocks: np.ndarray
     dims: MeshDims
     is_causal: bool = True
     window: Window = None
@@ -136,17 +140,19 @@ class Dispatch:
             raise ValueError(f"is_causal={is_causal!r} must be True or False.")
         if transport not in ("ragged", "ppermute"):
             raise ValueError(f"transport={transport!r} must be 'ragged' or 'ppermute'.")
-        blocks = np.asarray(self.blocks)
-        summary = _attended.block_summary_of(blocks)
-        counts = _attended.needed_from_summary(summary, self.dims.c, is_causal=is_causal,
-                                               local_window_size=local_window_size)
-        block, per_rank = self.perm.shape[1] // blocks.shape[1], blocks.shape[1] // self.dims.c
+        blocks, query_blocks = np.asarray(self.blocks), np.asarray(self.query_blocks)
+        counts = _attended.needed_from_summary(_attended.block_summary_of(blocks), self.dims.c, is_causal=is_causal,
+                                               local_window_size=local_window_size,
+                                               query_summary=_attended.block_summary_of(query_blocks))
+        S = self.perm.shape[1]
+        block, per_rank, query_block = S // blocks.shape[1], blocks.shape[1] // self.dims.c, S // query_blocks.shape[1]
         if transport == "ragged":
-            return _attended.ragged_exchange_for(counts, block, per_rank, self.dims.dp)
-        return _attended.exchange_for(counts, block, per_rank)
+            return _attended.ragged_exchange_for(counts, block, per_rank, self.dims.dp, query_block)
+        return _attended.exchange_for(counts, block, per_rank, query_block)
 
 
-jax.tree_util.register_dataclass(Dispatch, data_fields=["perm", "inverse", "positions", "chunks", "pairs", "blocks"],
+jax.tree_util.register_dataclass(Dispatch, data_fields=["perm", "inverse", "positions", "chunks", "pairs", "blocks",
+                                                      "query_blocks"],
                                  meta_fields=["dims", "is_causal", "window"])
 
 
@@ -525,13 +531,15 @@ def _dispatch(chunks_BN: np.ndarray, counts_BS: np.ndarray, pos_BS, dims: MeshDi
     pairs = np.take_along_axis(counts_BS, perm, axis=1).reshape(B, dims.c, -1).sum(axis=2)
     # One block length per batch shape (the finest chunks a plan may cut), so it never splits the
     # exchange values of one run: a block never straddles two chunks of any plan of this shape.
-    U = _attended.block_length(S // dims.c, S // (dims.c * CHUNKS_PER_RANK * 2 ** _REFINEMENTS))
-    blocks = np.zeros((B, 0, 7, 3), np.int32)
+    T, chunk = S // dims.c, S // (dims.c * CHUNKS_PER_RANK * 2 ** _REFINEMENTS)
+    sizes = (_attended.block_length(T, chunk, _attended.KEY_BLOCK), _attended.block_length(T, chunk))
+    blocks = [np.zeros((B, 0, 7, 3), np.int32)] * 2
     if summaries:
         span = None if span_BS is None else np.take_along_axis(np.asarray(span_BS), perm, axis=1)
-        summary = _attended.block_summary(np, positions, np.take_along_axis(seg_BS, perm, axis=1), U, span)
-        blocks = np.stack([np.asarray(a, np.int32) for a in summary], axis=-2)
-    arrays = [perm, inverse, positions, chunks_BN.astype(np.int32), pairs.astype(np.float64), blocks]
+        seg = np.take_along_axis(seg_BS, perm, axis=1)
+        blocks = [np.stack([np.asarray(a, np.int32) for a in _attended.block_summary(np, positions, seg, U, span)],
+                           axis=-2) for U in sizes]
+    arrays = [perm, inverse, positions, chunks_BN.astype(np.int32), pairs.astype(np.float64), *blocks]
     for a in arrays:
         a.setflags(write=False)
     return Dispatch(*arrays, dims=dims, is_causal=is_causal, window=window)

@@ -363,7 +363,8 @@ def test_dispatch_steps_run_the_batch_attended_exchange(short_docs, tmp_path):
             continue
         batch, _ = train.global_batch(s, s.train_windows, step, 2)
         need = jax_cp.exchanges.attended.needed_blocks(np.asarray(batch["positions"]),
-                                                       np.asarray(batch["segment_ids"]), 2, want.block, is_causal=True)
+                                                       np.asarray(batch["segment_ids"]), 2, want.block, is_causal=True,
+                                                       query_block=want.query_block)
         per_device = need.sum(axis=0)  # [receiver, sender]: both rows on every device (dp = 1)
         assert 0 < max(per_device.sum(0).max(), per_device.sum(1).max()) <= want.capacity
         assert want.received_tokens() < 2 * 128 // 2  # less than the all-gather brings each device

@@ -3,8 +3,11 @@
 On packed rows most K/V an all-gather (or a ring) moves is never read: a query sees
 the keys of its own document, and a dispatch plan (``load_balance.plan``) keeps
 documents on few ranks. Here every device cuts each rank's keys into blocks of
-``block`` tokens and summarises each block from the metadata every device already
-holds (``Meta``: segment range, position range, any valid token). For each ring
+``block`` tokens, and the queries into blocks of ``query_block``, and summarises each block
+from the metadata every device already holds (``Meta``: segment range, position range, any
+valid token). A small key block keeps what moves close to what is read (a needed document
+tail costs at most a block of its neighbour); the query blocks only bound which keys may be
+seen, so they stay a kernel tile long and the test stays cheap. For each ring
 distance ``k = 1..c-1``, a device packs the blocks of its own keys that the queries
 of rank ``r + k`` may see (the test is conservative: a block that might hold a
 visible key goes) into a buffer of ``sizes[k-1]`` blocks, and one ``lax.ppermute``
@@ -51,10 +54,12 @@ from jax_cp._platform import target_platform
 from jax_cp.exchanges._base import KVExchange, Meta, _unpair_kv, pair_kv
 from jax_cp.exchanges.all_gather import AllGather
 
-__all__ = ["Attended", "BLOCK", "block_length", "block_summary", "block_summary_of", "bucket", "exchange_for",
-           "needed_blocks", "needed_from_summary", "ragged_all_to_all", "ragged_exchange_for", "sees"]
+__all__ = ["Attended", "BLOCK", "KEY_BLOCK", "block_length", "block_summary", "block_summary_of", "bucket",
+           "exchange_for", "needed_blocks", "needed_from_summary", "query_block_length", "ragged_all_to_all",
+           "ragged_exchange_for", "sees"]
 
-BLOCK = 128  # tokens per exchanged block: one kernel tile, and at most this much unneeded K/V per boundary
+BLOCK = 128  # tokens per block by default: one kernel tile (query blocks; key blocks unless said)
+KEY_BLOCK = 32  # the plan's key blocks: at most this much unneeded K/V per document boundary
 _BIG = np.iinfo(np.int32).max
 
 
@@ -63,13 +68,16 @@ class Attended(KVExchange):
     """K/V blocks sent only to the ranks whose queries may see them (``lax.ppermute`` per distance).
 
     Attributes:
-      block: tokens per block; must divide each rank's keys (``S/c``).
+      block: tokens per key block (what moves); must divide each rank's keys (``S/c``).
       sizes: for ring distance ``k = 1..c-1`` (entry ``k-1``), the blocks every rank sends to
         rank ``(r + k) mod c`` (0: no transfer at that distance). ``len(sizes)`` must be
         ``cp_colossal - 1``.
       capacity: instead of ``sizes``: one ragged all-to-all, each device sending and receiving at
         most this many blocks (of any of its rows, to and from every rank together); only the
         needed blocks travel.
+      query_block: tokens per query block whose keys are tested together (None: ``block``; the whole
+        rank's queries when it does not divide them). Only bounds the test: smaller is tighter and
+        costs more.
     """
 
     name: ClassVar[str] = "attended"
@@ -77,10 +85,14 @@ class Attended(KVExchange):
     block: int = BLOCK
     sizes: tuple[int, ...] = ()
     capacity: int | None = None
+    query_block: int | None = None
 
     def __post_init__(self):
         if isinstance(self.block, bool) or not isinstance(self.block, (int, np.integer)) or self.block < 1:
             raise ValueError(f"Attended(block={self.block!r}) must be a positive int (tokens per exchanged block).")
+        qb = self.query_block
+        if qb is not None and (isinstance(qb, bool) or not isinstance(qb, (int, np.integer)) or qb < 1):
+            raise ValueError(f"Attended(query_block={qb!r}) must be a positive int (tokens per query block) or None.")
         sizes = tuple(self.sizes) if isinstance(self.sizes, (tuple, list)) else None
         if sizes is None or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0 for n in sizes):
             raise ValueError(f"Attended(sizes={self.sizes!r}) must be a tuple of ints >= 0, one per ring distance "
@@ -92,11 +104,13 @@ class Attended(KVExchange):
         object.__setattr__(self, "block", int(self.block))
         object.__setattr__(self, "sizes", tuple(int(n) for n in sizes))
         object.__setattr__(self, "capacity", None if cap is None else int(cap))
+        object.__setattr__(self, "query_block", None if qb is None else int(qb))
 
     def __str__(self) -> str:
+        qb = "" if self.query_block is None else f", query_block={self.query_block}"
         if self.capacity is not None:
-            return f"{self.name}(block={self.block}, capacity={self.capacity})"
-        return f"{self.name}(block={self.block}, sizes={self.sizes})"
+            return f"{self.name}(block={self.block}{qb}, capacity={self.capacity})"
+        return f"{self.name}(block={self.block}{qb}, sizes={self.sizes})"
 
     def received_tokens(self) -> int:
         """Key tokens every rank receives per row (all distances; with ``capacity``: at most, per
@@ -110,15 +124,17 @@ class Attended(KVExchange):
     def holds(self, other: "Attended") -> bool:
         """Whether its buffers hold every block ``other``'s do (same block and transport): whatever
         batch ``other`` serves without falling back to the all-gather, this value serves too."""
-        return (self.block == other.block and (self.capacity is None) == (other.capacity is None)
+        return (self.block == other.block and self.query_block == other.query_block
+                and (self.capacity is None) == (other.capacity is None)
                 and len(self.buffers()) == len(other.buffers())
                 and all(a >= b for a, b in zip(self.buffers(), other.buffers())))
 
     def with_buffers(self, buffers) -> "Attended":
-        """The same block and transport with these buffer sizes (``buffers()``'s form)."""
+        """The same blocks and transport with these buffer sizes (``buffers()``'s form)."""
         buffers = tuple(int(n) for n in buffers)
-        return Attended(block=self.block, capacity=buffers[0]) if self.capacity is not None else \
-            Attended(block=self.block, sizes=buffers)
+        if self.capacity is not None:
+            return Attended(block=self.block, capacity=buffers[0], query_block=self.query_block)
+        return Attended(block=self.block, sizes=buffers, query_block=self.query_block)
 
     def attend(self, q_BTHd, k_BTKd, v_BTKd, meta: Meta, spec, sinks=None):
         c = lax.axis_size(COLOSSAL)
@@ -133,7 +149,7 @@ class Attended(KVExchange):
             raise ValueError(f"kv_exchange={self}: block={U} does not divide the {Tk} keys per colossal rank; use a "
                              f"divisor of {Tk} (load_balance.plan(...).kv_exchange chooses one).")
         window = normalize_window(spec.local_window_size)
-        plan = _Plan(meta, c, U, spec.is_causal, window)
+        plan = _Plan(meta, c, U, self.query_block or U, spec.is_causal, window)
         if self.capacity is not None:
             return _ragged_attend(q_BTHd, kv, meta, spec, sinks, plan, self.capacity)
         overflow = jnp.zeros((), jnp.int32)
@@ -298,7 +314,7 @@ def _attend(q_BTHd, kv_BS2Kd, meta: Meta, kv_pos, kv_seg, spec, sinks, q_seg=Non
 class _Plan:
     """Per device: which of a rank's key blocks another rank's queries may see, from the full metadata."""
 
-    def __init__(self, meta: Meta, c: int, U: int, is_causal: bool, window):
+    def __init__(self, meta: Meta, c: int, U: int, Uq: int, is_causal: bool, window):
         self.c, self.U, self.is_causal, self.window = c, U, is_causal, window
         self.me = lax.axis_index(COLOSSAL)
         kpos, kseg = meta.keys_pos, meta.keys_seg
@@ -315,7 +331,7 @@ class _Plan:
         self.kspan = None if kspan is None else kspan.reshape(B, c, S_kv // c)
         self.own_span = None if kspan is None else seq_chunk(kspan, (COLOSSAL,))
         T = meta.pos.shape[1] // c
-        Uq = U if T % U == 0 else T
+        Uq = query_block_length(T, Uq)
         self.q = block_summary(jnp, meta.pos, meta.seg, Uq, meta.span)  # [B, c * T/Uq]
         self.k = block_summary(jnp, kpos, kseg if segmented else None, U, kspan)  # [B, c * S_kv/(c U)]
         self.nq, self.nk = T // Uq, S_kv // c // U
@@ -438,44 +454,56 @@ def sees(xp, q: _Summary, k: _Summary, is_causal: bool, window) -> object:
 
 
 def needed_blocks(positions, segment_ids, c: int, block: int, *, is_causal: bool, local_window_size=None,
-                  span_ids=None):
+                  span_ids=None, query_block: int | None = None):
     """Host side (NumPy): ``[B, c, c]`` blocks of rank ``s``'s keys that rank ``r``'s queries may
     see (entry ``[b, r, s]``; the diagonal is 0), by the rule the devices apply, for rows already in
-    the order attention runs on (self-attention; ``span_ids``: bidirectional spans, or None)."""
+    the order attention runs on (self-attention; ``span_ids``: bidirectional spans, or None;
+    ``query_block``: ``Attended.query_block``)."""
     pos = np.asarray(positions, np.int64)
     seg = None if segment_ids is None else np.asarray(segment_ids, np.int64)
-    summary = block_summary(np, pos, seg, block, None if span_ids is None else np.asarray(span_ids, np.int64))
-    return needed_from_summary(summary, c, is_causal=is_causal, local_window_size=local_window_size)
+    span = None if span_ids is None else np.asarray(span_ids, np.int64)
+    Uq = query_block_length(pos.shape[1] // c, query_block or block)
+    return needed_from_summary(block_summary(np, pos, seg, block, span), c, is_causal=is_causal,
+                               local_window_size=local_window_size,
+                               query_summary=None if Uq == block else block_summary(np, pos, seg, Uq, span))
 
 
-def needed_from_summary(summary, c: int, *, is_causal: bool, local_window_size=None) -> np.ndarray:
-    """:func:`needed_blocks` from the rows' block summaries (``[B, S/U]`` each, NumPy)."""
-    summary = _Summary(*(np.asarray(a) for a in summary))
-    B, N = summary.valid.shape[:2]
+def query_block_length(queries_per_rank: int, query_block: int) -> int:
+    """The query block the devices test with: ``query_block``, or every query of the rank when it does
+    not divide them."""
+    return query_block if queries_per_rank % query_block == 0 else queries_per_rank
+
+
+def needed_from_summary(summary, c: int, *, is_causal: bool, local_window_size=None,
+                        query_summary=None) -> np.ndarray:
+    """:func:`needed_blocks` from the rows' key block summaries (``[B, S/U, 3]`` each, NumPy) and query
+    block summaries (None: the key blocks')."""
+    k = _Summary(*(np.asarray(a) for a in summary))
+    q = k if query_summary is None else _Summary(*(np.asarray(a) for a in query_summary))
     window = normalize_window(local_window_size)
-    # Block pairs whose whole segment (and causal) ranges meet first, then the exact three-part test
-    # on those only: packed rows leave a few candidates per block, not N.
-    valid = summary.valid.any(-1)
-    lo = lambda a: np.where(summary.valid, a, _BIG).min(-1)
-    hi = lambda a: np.where(summary.valid, a, -_BIG).max(-1)
-    slo, shi, plo, phi = lo(summary.seg_min), hi(summary.seg_max), lo(summary.pos_min), hi(summary.pos_max)
-    alo, ahi = summary.span_min.min(-1), summary.span_max.max(-1)  # span ids other than 0 (none: BIG, -1)
-    cand = valid[:, :, None] & valid[:, None, :] & (slo[:, :, None] <= shi[:, None, :]) & \
-        (slo[:, None, :] <= shi[:, :, None])
-    if is_causal:
-        cand &= (plo[:, None, :] <= phi[:, :, None]) | ((alo[:, :, None] <= ahi[:, None, :]) &
-                                                         (alo[:, None, :] <= ahi[:, :, None]))
-    b, i, j = np.nonzero(cand)
-    pick = lambda idx: _Summary(*(a[b, idx][:, None] for a in summary))  # [P, 1, 3]: one block a pair
-    m = np.zeros((B, N, N), bool)
-    m[b, i, j] = sees(np, pick(i), pick(j), is_causal, window)[:, 0, 0]
-    n = N // c
-    counts = m.reshape(B, c, n, c, n).any(axis=2).sum(axis=-1)  # [B, receiver, sender]
+    # The whole blocks' ranges first: exact for a pair of blocks of one part each, and never False
+    # where a part pair passes; the three-part test runs only on the pairs that pass with more parts.
+    qw, kw = _whole(q), _whole(k)
+    m = sees(np, qw, kw, is_causal, window)  # [B, Nq, Nk]
+    several = (q.valid.sum(-1) > 1)[:, :, None] | (k.valid.sum(-1) > 1)[:, None, :]
+    b, i, j = np.nonzero(m & several)
+    part = lambda s, idx: _Summary(*(a[b, idx][:, None] for a in s))  # [P, 1, 3]: one block a pair
+    m[b, i, j] = sees(np, part(q, i), part(k, j), is_causal, window)[:, 0, 0]
+    B, Nq, Nk = m.shape
+    counts = m.reshape(B, c, Nq // c, c, Nk // c).any(axis=2).sum(axis=-1)  # [B, receiver, sender]
     counts[:, np.arange(c), np.arange(c)] = 0
     return counts
 
 
-def exchange_for(counts_BCC: np.ndarray, block: int, blocks_per_rank: int) -> Attended:
+def _whole(s: _Summary) -> _Summary:
+    """Each block as one part (``[B, N, 1]``): the ranges over its valid parts."""
+    lo = lambda a: np.where(s.valid, a, _BIG).min(-1, keepdims=True)
+    hi = lambda a: np.where(s.valid, a, -_BIG).max(-1, keepdims=True)
+    return _Summary(s.valid.any(-1, keepdims=True), lo(s.seg_min), hi(s.seg_max), lo(s.pos_min), hi(s.pos_max),
+                    s.span_min.min(-1, keepdims=True), s.span_max.max(-1, keepdims=True))
+
+
+def exchange_for(counts_BCC: np.ndarray, block: int, blocks_per_rank: int, query_block: int | None = None) -> Attended:
     """The exchange serving ``counts`` (``needed_blocks``'; ranks of ``blocks_per_rank`` blocks): one buffer size for every distance, the
     largest need at any distance of any row and rank, bucketed. One size, not one per distance: a
     tuple of per-distance sizes takes a new value almost every batch (a compile each), and measured
@@ -484,21 +512,24 @@ def exchange_for(counts_BCC: np.ndarray, block: int, blocks_per_rank: int) -> At
     r = np.arange(c)
     need = max((int(counts_BCC[:, r, (r - k) % c].max()) for k in range(1, c)), default=0)
     n = min(bucket(need), blocks_per_rank)  # a whole rank's keys at most
-    return Attended(block=block, sizes=(n,) * (c - 1))
+    return Attended(block=block, sizes=(n,) * (c - 1), query_block=query_block)
 
 
-def ragged_exchange_for(counts_BCC: np.ndarray, block: int, blocks_per_rank: int, dp: int = 1) -> Attended:
+def ragged_exchange_for(counts_BCC: np.ndarray, block: int, blocks_per_rank: int, dp: int = 1,
+                        query_block: int | None = None) -> Attended:
     """The ragged exchange serving ``counts`` (``needed_blocks``'): its capacity is the most blocks any
     device sends or receives (summed over the rows of its dp shard: rows ``b`` with ``b // (B/dp)``
     equal), rounded up to a power of two, and at most every other rank's blocks of those rows. Only
     the needed blocks travel, so the capacity costs buffer memory, not bytes moved: rounded that
-    coarsely, a run compiles a handful of values.
+    coarsely, and one value for both sides (a send and a receive buffer apart would double the
+    values), a run compiles a handful of values.
 
     Args:
       counts_BCC: ``[B, receiver, sender]`` blocks needed.
       block: tokens per block.
       blocks_per_rank: blocks of one rank's keys in one row.
       dp: the mesh's dp size (``B`` rows split into ``dp`` shards).
+      query_block: ``Attended.query_block``, the one ``counts`` was counted with.
 
     Returns:
       ``Attended(block, capacity=...)``.
@@ -507,7 +538,7 @@ def ragged_exchange_for(counts_BCC: np.ndarray, block: int, blocks_per_rank: int
     per_device = np.asarray(counts_BCC).reshape(dp, B // dp, c, c).sum(axis=1)  # [dp, receiver, sender]
     need = int(max(per_device.sum(axis=2).max(), per_device.sum(axis=1).max(), 0))
     capacity = 0 if need == 0 else 1 << (need - 1).bit_length()
-    return Attended(block=block, capacity=min(capacity, (B // dp) * blocks_per_rank * (c - 1)))
+    return Attended(block=block, capacity=min(capacity, (B // dp) * blocks_per_rank * (c - 1)), query_block=query_block)
 
 
 # The bucket grid: 1, 2, 3, 4, 6, 8, 12, 16, ... blocks (powers of two and 1.5 times them).
@@ -519,8 +550,8 @@ def bucket(n: int) -> int:
     return p * 3 // 4 if p >= 4 and p * 3 // 4 >= n else p
 
 
-def block_length(keys_per_rank: int, chunk: int | None = None) -> int:
-    """The block for ``keys_per_rank`` keys per rank: the largest power of two <= ``BLOCK`` dividing
+def block_length(keys_per_rank: int, chunk: int | None = None, limit: int = BLOCK) -> int:
+    """The block for ``keys_per_rank`` keys per rank: the largest power of two <= ``limit`` dividing
     both it and the plan's ``chunk`` length (so no block straddles two chunks)."""
     g = keys_per_rank if chunk is None else np.gcd(keys_per_rank, chunk)
-    return int(max(b for b in (1 << i for i in range(BLOCK.bit_length())) if g % b == 0 and b <= BLOCK))
+    return int(max(b for b in (1 << i for i in range(limit.bit_length())) if g % b == 0 and b <= limit))
