@@ -419,16 +419,16 @@ def block_summary(xp, pos_BS, seg_BS, block: int, span_BS=None) -> _Summary:
     last = xp.take_along_axis(s, last_at, axis=-1)
     in_first = valid & (s == first)
     in_last = valid & (s == last) & ~in_first
-    parts = xp.stack([in_first, in_last, valid & ~in_first & ~in_last], axis=-1)  # [B, N, U, 3]
-    s, p = s[..., None], p[..., None]
+    parts = xp.stack([in_first, in_last, valid & ~in_first & ~in_last], axis=-2)  # [B, N, 3, U]
+    s, p = s[..., None, :], p[..., None, :]  # each part reduced over its block's tokens, the last axis
     if span_BS is None:
-        span_min, span_max = xp.full(parts.shape[:2] + (3,), _BIG, p.dtype), xp.full(parts.shape[:2] + (3,), -1, p.dtype)
+        span_min, span_max = xp.full(parts.shape[:3], _BIG, p.dtype), xp.full(parts.shape[:3], -1, p.dtype)
     else:
-        sp = span_BS.reshape(B, S // block, block)[..., None]
+        sp = span_BS.reshape(B, S // block, block)[..., None, :]
         in_span = parts & (sp != 0)
-        span_min, span_max = xp.where(in_span, sp, _BIG).min(axis=-2), xp.where(in_span, sp, -1).max(axis=-2)
-    return _Summary(parts.any(axis=-2), xp.where(parts, s, _BIG).min(axis=-2), xp.where(parts, s, -1).max(axis=-2),
-                    xp.where(parts, p, _BIG).min(axis=-2), xp.where(parts, p, -_BIG).max(axis=-2), span_min, span_max)
+        span_min, span_max = xp.where(in_span, sp, _BIG).min(axis=-1), xp.where(in_span, sp, -1).max(axis=-1)
+    return _Summary(parts.any(axis=-1), xp.where(parts, s, _BIG).min(axis=-1), xp.where(parts, s, -1).max(axis=-1),
+                    xp.where(parts, p, _BIG).min(axis=-1), xp.where(parts, p, -_BIG).max(axis=-1), span_min, span_max)
 
 
 def block_summary_of(blocks_BN73) -> _Summary:
