@@ -210,8 +210,12 @@ def _call(kernel, st, grid, in_specs, out_specs, out_shape, name, *args):
     run = jax.jit(call)
     if st.interpret and any(bw.vma(a) for a in args):
         # Interpret mode evaluates the kernel's pre-traced loops, which cannot take inputs typed
-        # as varying over manual mesh axes (inside shard_map): run it on the host values.
-        out = bw.unchecked(lambda *a: jax.pure_callback(lambda *h: tuple(run(*h)), tuple(out_shape), *a), *args)
+        # as varying over manual mesh axes (inside shard_map): an identity host callback hands them
+        # over untyped, and the interpreted kernel stays part of the program. (Running the kernel
+        # inside the callback instead starts an XLA execution from a device's callback while the
+        # other devices' programs wait in theirs: on XLA:CPU that can deadlock.)
+        plain = lambda *a: jax.pure_callback(lambda *h: h, tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in a), *a)
+        out = bw.unchecked(lambda *a: run(*plain(*a)), *args)
     else:
         out = bw.unchecked(run, *args)  # traced unchecked (part of the program), then retyped
     return tuple(bw.vary_as(o, *args) for o in out)

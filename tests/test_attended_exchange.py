@@ -28,18 +28,18 @@ def _plan(mesh, seed, B=2, S=256, mean=10.0, window=None):
     return load_balance.plan(seg, mesh, positions=pos, local_window_size=window), seg, pos
 
 
-def _check(mesh, d, seg, pos, exchange, K, window, seed):
+def _check(mesh, d, seg, pos, exchange, K, window, seed, kernel="auto"):
     q, k, v, ct = random_qkv(seg.shape[0], seg.shape[1], 8, K, 8, seed=seed)
 
     def f(q, k, v):
         (q, k, v, seg_r), positions = d.reorder((q, k, v, jnp.asarray(seg)))
         o = jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, positions=positions, segment_ids=seg_r,
-                                         local_window_size=window, kv_exchange=exchange)
+                                         local_window_size=window, kv_exchange=exchange, kernel=kernel)
         return d.restore(o)
 
     ref = lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=True, positions=jnp.asarray(pos),
                                                           segment_ids=jnp.asarray(seg), local_window_size=window)
-    assert_matches(f, ref, (q, k, v), ct, jnp.float32, f"{exchange} {K=} {window=}")
+    assert_matches(f, ref, (q, k, v), ct, jnp.float32, f"{exchange} {K=} {window=} {kernel=}")
 
 
 # (cp_colossal, cp_ulysses, tp), kv heads, window: colossal only, hybrid, tp; GQA and windows.
@@ -59,6 +59,19 @@ def test_the_plan_s_exchange_matches_the_reference(cut, K, window, transport, mo
     # The plan's buffers hold every needed block: the answer comes from them, not from the all-gather.
     monkeypatch.setattr(attended, "_all_gathered", lambda q, *_: q * jnp.nan)
     _check(mesh, d, seg, pos, ex, K, window, seed=c * u)
+
+
+@pytest.mark.parametrize("kernel", ["pallas_gpu", "xla"])
+def test_own_and_received_keys_merge_exactly_on_every_kernel(kernel, monkeypatch):
+    """The own and the received keys attended apart and merged by their log-sum-exp, on the kernels
+    the default (blockwise) and splash tests do not cover: pallas_gpu (interpret mode off GPU) and
+    "xla", with a window; the all-gather branch poisoned."""
+    mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
+    d, seg, pos = _plan(mesh, seed=21, S=128, window=(16, 0))
+    ex = d.kv_exchange
+    assert 0 < ex.received_tokens() < 2 * 128 * 3 // 4, ex  # some keys arrive, not all
+    monkeypatch.setattr(attended, "_all_gathered", lambda q, *_: q * jnp.nan)
+    _check(mesh, d, seg, pos, ex, 2, (16, 0), seed=7, kernel=kernel)
 
 
 def test_fewer_blocks_than_a_rank_holds_are_sent(monkeypatch):

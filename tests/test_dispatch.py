@@ -282,14 +282,14 @@ def test_reorder_keeps_the_sharding(axis_type):
 
 
 # (cp_colossal, cp_ulysses, tp), kv_exchange, kv heads, window, kernel: every exchange on both meshes,
-# GQA, windows ("attended": the plan's own exchange); splash (ring steps, after Attended) runs in Pallas
-# interpret mode off TPU. (pallas_gpu's interpret mode hung an xdist worker here: a device blocked in
-# XLA:CPU execution; it passes alone.)
+# GQA, windows ("attended": the plan's own exchange); splash (ring steps, after Attended) and pallas_gpu
+# run in Pallas interpret mode off their platforms.
 E2E = [((4, 2, 1), "all_gather", 2, None, "auto"), ((4, 2, 1), "ring", 2, None, "auto"),
        ((4, 2, 1), "all_to_all", 8, None, "auto"), ((2, 2, 2), "all_gather", 2, (16, 0), "auto"),
        ((2, 2, 2), "ring", 2, None, "auto"), ((2, 2, 2), "all_to_all", 2, None, "auto"),
        ((8, 1, 1), "ring", 2, 24, "auto"), ((4, 2, 1), "ring", 2, None, "splash"),
-       ((4, 2, 1), "attended", 2, None, "splash")]
+       ((4, 2, 1), "all_gather", 2, None, "pallas_gpu"), ((4, 2, 1), "attended", 2, None, "splash"),
+       ((4, 2, 1), "attended", 2, None, "pallas_gpu")]
 
 
 @pytest.mark.parametrize("cut,kv_exchange,K,window,kernel", E2E)
