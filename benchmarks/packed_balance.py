@@ -4,7 +4,7 @@
     JAX_PLATFORMS=cpu python benchmarks/packed_balance.py --cp 8 --seq 131072 --rows 4 --dist lognormal-1K
 
 Rows are packed with documents whose lengths are drawn (``numpy.random.default_rng(0)``, a new
-generator per table line) from a lognormal with sigma = 1 and the given mean (256, 1K, 2K, 8K
+generator per table line) from a lognormal with sigma = 1 and the given mean (256, 1K, 2K, 8K, 16K
 tokens), or from a Pareto distribution (Lomax + 1, tail index 1.5) scaled to mean 2,048: median
 about 1,100, its largest documents fill a row. The last document of a row is cut to fit, so
 rows have no padding. Causal attention, positions restarting at 0 in every document. Every row
@@ -40,7 +40,7 @@ from jax_cp import load_balance  # noqa: E402
 
 DISTRIBUTIONS = {"lognormal-256": ("lognormal", 256), "lognormal-1K": ("lognormal", 1024),
                  "lognormal-2K": ("lognormal", 2048), "lognormal-8K": ("lognormal", 8192),
-                 "pareto-2K": ("pareto", 2048)}
+                 "lognormal-16K": ("lognormal", 16384), "pareto-2K": ("pareto", 2048)}
 PARETO_TAIL = 1.5
 
 
@@ -118,6 +118,9 @@ def main():
     ap.add_argument("--dist", default=",".join(DISTRIBUTIONS), help=f"of {list(DISTRIBUTIONS)}")
     ap.add_argument("--rows", type=int, default=0, help="rows per line (0: 8 at 32K, 4 at 128K)")
     args = ap.parse_args()
+    unknown = sorted(set(args.dist.split(",")) - set(DISTRIBUTIONS))
+    if unknown:
+        ap.error(f"--dist {','.join(unknown)}: not one of {list(DISTRIBUTIONS)}")
     load_balance.plan(np.zeros((1, 1024), np.int32), abstract_mesh(4))  # warm up
     print("| c | S | documents | slowest/mean: dual-chunk (worst row) | plan (worst row) "
           "| K/V attended / all-gathered: dual-chunk | plan | plan ms per row (slowest) |")
