@@ -243,6 +243,7 @@ def test_the_value_is_static_and_accepted_where_names_are():
     ex = exchanges.Attended(block=8, sizes=[2, 2, 2])
     assert ex == exchanges.Attended(block=8, sizes=(2, 2, 2)) and hash(ex) == hash(exchanges.Attended(8, (2, 2, 2)))
     assert exchanges.resolve(ex) is ex and ex.received_tokens() == 48
+    assert exchanges.Attended(block=8, sizes=(2, 2, 2), query_block=8) == ex  # query_block = block: the default
     assert jax_cp.AttentionSpec(num_heads=4, head_dim=8, kv_exchange=ex).kv_exchange == ex
     assert "attended" not in exchanges.NAMES  # its sizes are a batch's: no public string
 
@@ -296,6 +297,29 @@ def test_the_host_count_equals_the_block_rule_on_every_pair(window):
             slow = m.reshape(2, 4, nq, 4, 16).any(axis=2).sum(axis=-1)
             slow[:, np.arange(4), np.arange(4)] = 0
             np.testing.assert_array_equal(fast, slow)
+            assert fast.sum() > 0
+
+
+def test_the_host_count_holds_for_negative_span_ids_and_extreme_positions():
+    """Any span id but 0 is a span (negative ones too), and positions may sit anywhere in int32: on the
+    int32 summaries a ``Dispatch`` stores, the host's count equals the block rule on every pair
+    evaluated on int64 copies (where no difference overflows)."""
+    rng = np.random.default_rng(5)
+    seg, pos = packed(rng, "lognormal", 12.0, 2, 256, pad=True)
+    i32 = np.iinfo(np.int32)
+    pos = pos + np.where(seg % 2 == 0, i32.max - 300, i32.min + 300)  # documents at both ends of int32
+    span = np.where(rng.random((2, 256)) < 0.4, -1 - seg, 0)
+    keys, queries = (attended.block_summary(np, pos.astype(np.int32), seg.astype(np.int32), u, span.astype(np.int32))
+                     for u in (4, 16))
+    wide = lambda s: attended.block_summary_of(np.stack([np.asarray(a, np.int64) for a in s], axis=-2))
+    for window in (None, (16, 0), (8, 8)):
+        for causal in (True, False):
+            fast = attended.needed_from_summary(keys, 4, is_causal=causal, local_window_size=window,
+                                                query_summary=queries)
+            m = attended.sees(np, wide(queries), wide(keys), causal, window)
+            slow = m.reshape(2, 4, 4, 4, 16).any(axis=2).sum(axis=-1)
+            slow[:, np.arange(4), np.arange(4)] = 0
+            np.testing.assert_array_equal(fast, slow, err_msg=f"{window=} {causal=}")
             assert fast.sum() > 0
 
 

@@ -104,7 +104,8 @@ class Attended(KVExchange):
         object.__setattr__(self, "block", int(self.block))
         object.__setattr__(self, "sizes", tuple(int(n) for n in sizes))
         object.__setattr__(self, "capacity", None if cap is None else int(cap))
-        object.__setattr__(self, "query_block", None if qb is None else int(qb))
+        # query_block == block means the default: one value, so equal exchanges compare equal.
+        object.__setattr__(self, "query_block", None if qb is None or qb == self.block else int(qb))
 
     def __str__(self) -> str:
         qb = "" if self.query_block is None else f", query_block={self.query_block}"
@@ -447,10 +448,15 @@ def sees(xp, q: _Summary, k: _Summary, is_causal: bool, window) -> object:
         m &= (kx(k.pos_min) <= qx(q.pos_max)) | ((qx(q.span_min) <= kx(k.span_max)) & (kx(k.span_min) <= qx(q.span_max)))
     if window is not None:
         left, right = (min(w, _BIG) for w in window)
-        # Invalid parts are already False; valid positions are int32, their differences too
-        # for the positions attention takes (per-document or row positions).
-        m &= (qx(q.pos_min) - kx(k.pos_max) <= left) & (kx(k.pos_min) - qx(q.pos_max) <= right)
+        # Invalid parts are already False.
+        m &= _within(qx(q.pos_min), kx(k.pos_max), left) & _within(kx(k.pos_min), qx(q.pos_max), right)
     return m.any(axis=(-2, -1))
+
+
+def _within(a, b, reach: int):
+    """``a - b <= reach`` for int32-range values without overflow (``reach >= 0``): where ``a > b`` the
+    difference lies in ``(0, 2**32)``, which uint32 arithmetic holds exactly."""
+    return (a <= b) | ((a.astype(np.uint32) - b.astype(np.uint32)) <= reach)
 
 
 def needed_blocks(positions, segment_ids, c: int, block: int, *, is_causal: bool, local_window_size=None,
@@ -496,11 +502,15 @@ def needed_from_summary(summary, c: int, *, is_causal: bool, local_window_size=N
 
 
 def _whole(s: _Summary) -> _Summary:
-    """Each block as one part (``[B, N, 1]``): the ranges over its valid parts."""
-    lo = lambda a: np.where(s.valid, a, _BIG).min(-1, keepdims=True)
-    hi = lambda a: np.where(s.valid, a, -_BIG).max(-1, keepdims=True)
-    return _Summary(s.valid.any(-1, keepdims=True), lo(s.seg_min), hi(s.seg_max), lo(s.pos_min), hi(s.pos_max),
-                    s.span_min.min(-1, keepdims=True), s.span_max.max(-1, keepdims=True))
+    """Each block as one part (``[B, N, 1]``): the ranges over its valid parts (span ids: over its
+    parts that hold one; any id but 0 is a span, negative ones too)."""
+    lo = lambda a, has: np.where(has, a, _BIG).min(-1, keepdims=True)
+    hi = lambda a, has, none: np.where(has, a, none).max(-1, keepdims=True)
+    spans = s.span_min <= s.span_max  # (BIG, -1): no span
+    span_max = hi(s.span_max.astype(np.int64), spans, np.iinfo(np.int64).min)
+    return _Summary(s.valid.any(-1, keepdims=True), lo(s.seg_min, s.valid), hi(s.seg_max, s.valid, -_BIG),
+                    lo(s.pos_min, s.valid), hi(s.pos_max, s.valid, -_BIG), lo(s.span_min, spans),
+                    np.where(spans.any(-1, keepdims=True), span_max, -1))
 
 
 def exchange_for(counts_BCC: np.ndarray, block: int, blocks_per_rank: int, query_block: int | None = None) -> Attended:
