@@ -19,12 +19,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_cp import kernels
-from jax_cp._blockwise import check_sinks
 from jax_cp._checks import refuse_dense
 from jax_cp._defaults import AUTO
 from jax_cp._body import (GivenQKV, attention_shard, check_dtype, kernel_for_dtype, metadata_sides, placed_metadata,
                           shard_call)
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place
+from jax_cp._softmax import check_sinks
 from jax_cp._spec import AttentionSpec, check_seq_batch
 
 __all__ = ["dot_product_attention", "LAYOUTS"]

@@ -36,13 +36,13 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_cp._blockwise import fold_sinks
 from jax_cp._body import attention_shard, shard_call
 from jax_cp._layer import compute_specs, layer_call
 from jax_cp._masks import normalize_window, visible
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place, seq_chunk
 from jax_cp._platform import target_platform
 from jax_cp._projection import LinearProjections, local_kv, per_token, project
+from jax_cp._softmax import fold_sinks
 from jax_cp._spec import Layout, lcm
 
 __all__ = ["CACHE_FIELDS", "EMPTY", "NO_WINDOW", "CacheLayout", "cache_layout", "check_inference", "decode_positions",

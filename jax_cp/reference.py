@@ -14,9 +14,9 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_cp._dense import attend
 from jax_cp._params import derive_dims, init_param, param_shapes
 from jax_cp._posenc import apply_rope, rms_norm
+from jax_cp.kernels._dense import attend
 
 __all__ = ["Attention", "LayerSpec", "attend", "attention_layer", "dot_product_attention"]
 

@@ -75,8 +75,8 @@ def test_example_model_uses_the_library():
 # (imports inside functions included), and no import circle closes anywhere.
 FLOORS = (
     ("facts and metadata", ("_platform", "_chips", "_checks", "_masks", "_meta", "_params", "_posenc", "_ulysses", "_mesh",
-                            "_dense")),
-    ("kernels", ("_blockwise", "_splash", "_pallas_gpu", "kernels")),
+                            "_softmax", "_vma")),
+    ("kernels", ("kernels",)),
     ("per-shard steps", ("exchanges", "_projection", "load_balance", "_dispatch")),
     ("the rule", ("_defaults", "_spec")),
     ("entry points", ("_body", "_layer", "_attention", "_decode", "reference")),
@@ -125,10 +125,24 @@ def test_imports_go_down_or_along_never_up():
 
 def test_the_reference_stands_on_the_ground_floor():
     """The ground truth shares only facts (metadata, parameter shapes, RoPE) and the dense kernel's
-    plain attention with the code it checks: nothing of the kernels, exchanges or the layer."""
+    plain attention with the code it checks: nothing else of the kernels, nor the exchanges or the layer."""
     imports = _graph()["jax_cp.reference"]
-    assert imports and all(FLOOR[_room(m)] == 0 for m in imports), sorted(imports)
-    assert "jax_cp._dense" in imports
+    assert "jax_cp.kernels._dense" in imports
+    rest = imports - {"jax_cp.kernels._dense"}
+    assert rest and all(FLOOR[_room(m)] == 0 for m in rest), sorted(rest)
+    assert _graph()["jax_cp.kernels._dense"] <= {m for m in _graph() if FLOOR[_room(m)] == 0}
+
+
+def test_kernel_code_lives_in_the_kernel_room():
+    """Each kernel's implementation sits in ``kernels/`` beside its value; what the exchanges and
+    decode share with the kernels (softmax pieces, vma typing) stands on the ground floor."""
+    outside = [p.name for p in ROOT.glob("_*.py") if p.stem in ("_blockwise", "_splash", "_pallas_gpu", "_dense")]
+    assert not outside, outside
+    for name in ("_blockwise", "_splash", "_pallas_gpu", "_dense"):
+        assert (ROOT / "kernels" / f"{name}.py").exists(), name
+    for helper in ("varying_sinks", "check_soft_cap", "fold_sinks", "merge_softmax"):
+        assert helper in jax_cp._softmax.__all__
+    assert "vma" in jax_cp._vma.__all__
 
 
 def test_the_import_graph_has_no_circle():
@@ -196,7 +210,7 @@ def test_models_benchmarks_and_notebooks_use_public_names_only():
     assert not found, found
 
 
-PER_SHARD = ("_body.py", "_projection.py", "_decode.py", "_layer.py", "_blockwise.py", "_splash.py", "_pallas_gpu.py",
+PER_SHARD = ("_body.py", "_projection.py", "_decode.py", "_layer.py", "_softmax.py", "_vma.py",
              "kernels", "_ulysses.py", "exchanges")
 MUTATORS = {"append", "extend", "insert", "pop", "update", "setdefault", "add", "clear", "remove"}
 

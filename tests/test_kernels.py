@@ -11,7 +11,7 @@ from flax import nnx
 
 import jax_cp
 from jax_cp import kernels, reference
-from jax_cp._blockwise import Meta, block_visible, blockwise_attention, make_spec
+from jax_cp.kernels._blockwise import Meta, block_visible, blockwise_attention, make_spec
 from util import assert_matches, fwd_and_vjp
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -301,7 +301,7 @@ def test_splash_needs_its_private_entry_points(monkeypatch):
     ``kernel="splash"`` is a ValueError, never a crash deep in a trace."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as ska
 
-    from jax_cp import _splash
+    from jax_cp.kernels import _splash
 
     assert _splash.unavailable_reason() is None
     _splash.unavailable_reason.cache_clear()
@@ -326,7 +326,7 @@ def test_masks_known_when_traced_equal_the_sorted_ones(T, mask):
     same block mask, block order, per-query bounds and rows-with-a-key as the run-time path (keys sorted,
     bounds counted) on arange positions, padding included (T = 200, 300: 56 and 84 padded lanes). The
     ring's other chunks: every key earlier (all visible) or later (none when causal)."""
-    from jax_cp import _splash as sp
+    from jax_cp.kernels import _splash as sp
     from jax_cp._masks import normalize_window
 
     window = normalize_window(mask.get("local_window_size"))
@@ -358,7 +358,7 @@ def test_masks_known_when_traced_equal_the_sorted_ones(T, mask):
 
 
 def test_natural_positions_refuse_what_they_cannot_state():
-    from jax_cp import _splash as sp
+    from jax_cp.kernels import _splash as sp
 
     q = jnp.zeros((1, 128, 2, 8), F32)
     pos = jnp.zeros((1, 128), jnp.int32)
@@ -377,7 +377,7 @@ def test_splash_counts_only_the_bounds_a_mask_has():
     """With positions passed (the sorted path), a causal call without segment ids or window sorts twice
     (the keys, then the queries' upper bounds among them): no lower bound exists, so none is counted.
     Segment ids add the count of keys in earlier documents."""
-    from jax_cp import _splash as sp
+    from jax_cp.kernels import _splash as sp
 
     (q, k, v), _, meta = _inputs(1, 128, 128, 2, 2, 8, F32, order="shuffled")
     sorts = lambda **m: str(jax.make_jaxpr(lambda q: sp.splash_attention(q, k, v, is_causal=True, interpret=True,

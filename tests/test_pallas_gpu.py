@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 import jax_cp
-from jax_cp import _pallas_gpu, kernels, load_balance, reference
+from jax_cp import kernels, load_balance, reference
+from jax_cp.kernels import _pallas_gpu
 from util import assert_matches, random_qkv
 
 

@@ -15,7 +15,7 @@ from flax import nnx
 
 import jax_cp
 from jax_cp import reference
-from jax_cp._blockwise import Meta, block_visible, make_spec
+from jax_cp.kernels._blockwise import Meta, block_visible, make_spec
 from util import assert_close, assert_matches, random_qkv
 
 lb_positions = jax_cp.load_balance.positions
@@ -276,7 +276,7 @@ def test_masks_known_when_traced_under_an_explicit_mesh(exchange, cut):
     """Built with NumPy only: under ``jax.set_mesh`` of an Explicit mesh a ``shard_map`` body refuses
     eager JAX ops, which building the masks with ``jnp`` under ``ensure_compile_time_eval`` ran (and
     failed on, unless an Auto-mesh call had filled the cache first: cleared here)."""
-    from jax_cp import _splash
+    from jax_cp.kernels import _splash
 
     _splash._natural_info.cache_clear()
     c, u, t = cut

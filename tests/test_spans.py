@@ -156,7 +156,7 @@ def test_splash_takes_spans_that_are_not_contiguous(K, window, sinks):
 def test_span_support_per_kernel_and_auto():
     """cuDNN refuses spans; splash takes them (causal: over at most ``MAX_WINDOW_KEYS`` keys a call),
     so ``auto`` runs splash on TPU, pallas_gpu on GPU, and says why when it cannot."""
-    from jax_cp._splash import MAX_WINDOW_KEYS
+    from jax_cp.kernels._splash import MAX_WINDOW_KEYS
 
     with pytest.raises(ValueError, match=r"span ids \(span_ids\) are not among the cuDNN kernel's mask inputs"):
         kernels.select_kernel(kernels.CUDNN, platform="gpu", is_causal=True, window=None, has_segments=False,

@@ -14,11 +14,11 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jax_cp import _dense
 from jax_cp import kernels as _kernels
 from jax_cp._meta import Meta
 from jax_cp._mesh import COLOSSAL, ULYSSES, seq_chunk
 from jax_cp._ulysses import seq_to_heads
+from jax_cp.kernels import _dense
 
 __all__ = ["KVExchange", "Meta", "attend_gathered", "pair_kv", "register", "REGISTRY"]
 

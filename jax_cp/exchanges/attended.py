@@ -45,12 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_cp import _splash
 from jax_cp import kernels as _kernels
-from jax_cp._blockwise import check_soft_cap, varying_sinks
 from jax_cp._masks import normalize_window
 from jax_cp._mesh import COLOSSAL, DP, seq_chunk
 from jax_cp._platform import target_platform
+from jax_cp._softmax import check_soft_cap, varying_sinks
+from jax_cp.kernels import _splash
 from jax_cp.exchanges._base import KVExchange, Meta, _unpair_kv, pair_kv
 from jax_cp.exchanges.all_gather import AllGather
 

@@ -18,11 +18,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_cp import _blockwise as bw
-from jax_cp import _splash as sp
+from jax_cp import _softmax
 from jax_cp import kernels as _kernels
 from jax_cp._masks import normalize_window
 from jax_cp._mesh import COLOSSAL, seq_chunk
+from jax_cp._vma import vary_as
+from jax_cp.kernels import _blockwise as bw
+from jax_cp.kernels import _splash as sp
 from jax_cp.exchanges._base import KVExchange, Meta, register
 
 __all__ = ["Ring", "ring_attention", "splash_ring_attention"]
@@ -93,7 +95,7 @@ def _ring_fwd(q, k, v, pos, seg, kv_seg, kv_pos, span, kv_span, sinks, axis_name
     # The sinks join the softmax once, after the last chunk (not once per step or device).
     home = _home(k, v, pos, seg, kv_seg, kv_pos, span, kv_span)
     o, lse, *row_max = _forward(q, home, pos, seg, span, axis_name, spec)
-    o, lse = bw.fold_sinks(o, lse, sinks)
+    o, lse = _softmax.fold_sinks(o, lse, sinks)
     o = o.astype(q.dtype)
     return bw.outputs(spec, o, lse, row_max), (q, k, v, pos, seg, kv_seg, kv_pos, span, kv_span, o, lse, sinks)
 
@@ -113,7 +115,7 @@ def _ring_bwd(axis_name, spec, res, do):
     else:
         dq, (dk, dv) = _backward_ring(grads, home, do, axis_name, c)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, None, None,
-            bw.sinks_grad(sinks, lse, delta))
+            _softmax.sinks_grad(sinks, lse, delta))
 
 
 def _backward_ring(grads, home, do, axis_name, c):
@@ -149,7 +151,7 @@ def _backward_ring(grads, home, do, axis_name, c):
         # Step 0 runs in the loop, with an empty accumulator (zeros travel once): peeled, its
         # onward K/V transfer was scheduled after its kernels, with nothing inside.
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grads, kv, 0))
-        dq0, dk0, dv0 = (bw.vary_as(z, kv, do) for z in zeros)
+        dq0, dk0, dv0 = (vary_as(z, kv, do) for z in zeros)
         dq, acc, kv = lax.fori_loop(0, c - 2, step, (dq0, (dk0, dv0), kv))
         dq, acc = attend(dq, acc, kv, _ahead(own, 1 - c, c))  # the last remote chunk: nothing further to fetch
     # Own chunk, tied to the last remote step's sums: its kernels need nothing that travels, and
@@ -219,10 +221,10 @@ def splash_ring_attention(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT=None, *, axis_n
         raise ValueError(f"kernel='splash' cannot run this ring: {reason}; use kernel='blockwise' (or 'auto').")
     qx, qm, home, step = sp.ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, scale=scale,
                                          is_causal=is_causal, interpret=interpret,
-                                         soft_cap=bw.check_soft_cap(logits_soft_cap), kv_seg_BT=kv_seg_BT,
+                                         soft_cap=_softmax.check_soft_cap(logits_soft_cap), kv_seg_BT=kv_seg_BT,
                                          kv_pos_BT=kv_pos_BT, window=window, natural=natural_positions,
                                          span_BT=span_BT, kv_span_BT=kv_span_BT)
-    sinks = bw.varying_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT)
+    sinks = _softmax.varying_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT)
     o = _splash_ring(qx, qm, home, sinks, axis_name, step)
     return jnp.swapaxes(o[:, :, :T], 1, 2)
 
@@ -254,7 +256,7 @@ def ring_attention(
     pos = jnp.asarray(pos_BT, jnp.int32)
     seg, kv_seg, kv_pos, span, kv_span = (None if a is None else jnp.asarray(a, jnp.int32)
                                           for a in (seg_BT, kv_seg_BT, kv_pos_BT, span_BT, kv_span_BT))
-    sinks = bw.varying_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos, seg)
+    sinks = _softmax.varying_sinks(sinks, q_BTHd, k_BTKd, v_BTKd, pos, seg)
     return _ring(q_BTHd, k_BTKd, v_BTKd, pos, seg, kv_seg, kv_pos, span, kv_span, sinks, axis_name, spec)
 
 

@@ -10,11 +10,11 @@ Letters: B batch, T queries, S keys, H query heads, K kv heads, d head dim.
 """
 from __future__ import annotations
 
-from jax_cp._blockwise import (auto_blocks, blockwise_attention, check_block, check_sinks, check_soft_cap,
-                               varying_sinks)
 from jax_cp._masks import normalize_window
 from jax_cp._platform import target_platform
-from jax_cp._splash import splash_attention
+from jax_cp._softmax import check_sinks, check_soft_cap, varying_sinks
+from jax_cp.kernels._blockwise import auto_blocks, blockwise_attention, check_block
+from jax_cp.kernels._splash import splash_attention
 from jax_cp.kernels._base import AUTO, REGISTRY, Kernel, resolve
 from jax_cp.kernels.blockwise import Blockwise
 from jax_cp.kernels.dense import Dense, dense_attention

@@ -1,8 +1,8 @@
-"""The portable kernel: blockwise online softmax in plain JAX (``jax_cp._blockwise``), every mask,
+"""The portable kernel: blockwise online softmax in plain JAX (``jax_cp.kernels._blockwise``), every mask,
 every platform, memory linear in the sequence; returns the log-sum-exp a ring step merges."""
 from __future__ import annotations
 
-from jax_cp._blockwise import blockwise_attention
+from jax_cp.kernels._blockwise import blockwise_attention
 from jax_cp.kernels._base import Kernel, register
 
 __all__ = ["Blockwise"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_cp._blockwise import check_sinks, head_max
 from jax_cp._masks import Window, normalize_window, visible
+from jax_cp._softmax import check_sinks, head_max
 from jax_cp.kernels._base import REGISTRY, Kernel, register
 
 __all__ = ["Dense", "dense_attention"]

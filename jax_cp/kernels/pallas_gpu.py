@@ -1,8 +1,8 @@
-"""The fused GPU kernel: blockwise's algorithm as Pallas (Triton) kernels (``jax_cp._pallas_gpu``),
+"""The fused GPU kernel: blockwise's algorithm as Pallas (Triton) kernels (``jax_cp.kernels._pallas_gpu``),
 every mask as data; off a GPU it runs in Pallas interpret mode (for tests)."""
 from __future__ import annotations
 
-from jax_cp import _pallas_gpu
+from jax_cp.kernels import _pallas_gpu
 from jax_cp.kernels.blockwise import Blockwise
 from jax_cp.kernels._base import register
 

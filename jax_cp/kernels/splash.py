@@ -1,9 +1,9 @@
-"""TPU splash attention with masks from the data (``jax_cp._splash``); off a TPU it runs in Pallas
+"""TPU splash attention with masks from the data (``jax_cp.kernels._splash``); off a TPU it runs in Pallas
 interpret mode (for tests). Returns the log-sum-exp a ring step merges (``splash_ring_attention``)."""
 from __future__ import annotations
 
 from jax_cp._platform import target_platform
-from jax_cp._splash import splash_attention, splash_unsupported_reason
+from jax_cp.kernels._splash import splash_attention, splash_unsupported_reason
 from jax_cp.kernels._base import Kernel, register
 
 __all__ = ["Splash"]

@@ -26,14 +26,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_cp import _blockwise as bw
+from jax_cp.kernels import _blockwise as bw
 from jax_cp._platform import target_platform
+from jax_cp._softmax import NEG, merge_softmax
+from jax_cp._vma import unchecked, vary_as, vma
 
 __all__ = ["BLOCKS", "MAX_HEAD_DIM", "backward", "forward", "unsupported_reason"]
 
 BLOCKS = (64, 64)  # (block_q, block_kv) when the spec leaves them None
 MAX_HEAD_DIM = 256
-NEG = bw.NEG
 
 
 def unsupported_reason(*, head_dim: int, v_head_dim: int | None = None) -> str | None:
@@ -208,17 +209,17 @@ def _call(kernel, st, grid, in_specs, out_specs, out_shape, name, *args):
     call = pl.pallas_call(partial(kernel, st=st), grid=grid, in_specs=in_specs, out_specs=out_specs,
                           out_shape=out_shape, interpret=st.interpret, compiler_params=st.params(), name=name)
     run = jax.jit(call)
-    if st.interpret and any(bw.vma(a) for a in args):
+    if st.interpret and any(vma(a) for a in args):
         # Interpret mode evaluates the kernel's pre-traced loops, which cannot take inputs typed
         # as varying over manual mesh axes (inside shard_map): an identity host callback hands them
         # over untyped, and the interpreted kernel stays part of the program. (Running the kernel
         # inside the callback instead starts an XLA execution from a device's callback while the
         # other devices' programs wait in theirs: on XLA:CPU that can deadlock.)
         plain = lambda *a: jax.pure_callback(lambda *h: h, tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in a), *a)
-        out = bw.unchecked(lambda *a: run(*plain(*a)), *args)
+        out = unchecked(lambda *a: run(*plain(*a)), *args)
     else:
-        out = bw.unchecked(run, *args)  # traced unchecked (part of the program), then retyped
-    return tuple(bw.vary_as(o, *args) for o in out)
+        out = unchecked(run, *args)  # traced unchecked (part of the program), then retyped
+    return tuple(vary_as(o, *args) for o in out)
 
 
 def _fwd_call(st: _Static, q, k, v, qpos, kpos, qseg, kseg, *spans):
@@ -301,7 +302,7 @@ def forward(q_BTHd, k_BSKd, v_BSKd, qm: bw.Meta, km: bw.Meta, spec: bw.Spec, sta
     o, lse, mx = _fwd_call(st, q, k, v, qpos, kpos, qseg, kseg, *spans)
     o, lse, mx = o[:, :T, :, :dv], jnp.swapaxes(lse, 1, 2)[:, :T], jnp.swapaxes(mx, 1, 2)[:, :T]
     if state is not None:
-        o, lse = bw.merge_softmax(state, (o, lse))
+        o, lse = merge_softmax(state, (o, lse))
     return (o, lse, mx) if spec.max_logits else (o, lse)
 
 

@@ -37,8 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_cp._blockwise import check_soft_cap, fold_sinks, merge_softmax, sinks_grad, unchecked as _unchecked, vary_as as _vary_as
 from jax_cp._masks import normalize_window
+from jax_cp._softmax import check_soft_cap, fold_sinks, merge_softmax, sinks_grad
+from jax_cp._vma import unchecked as _unchecked, vary_as as _vary_as
 
 # Imported with jax_cp, not when a kernel is first chosen: these modules register JAX config states
 # that enter the tracing context (jax 0.12: pallas_fuser_disable_nested_fuse). Imported during a

@@ -20,20 +20,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_cp._masks import Window, normalize_window, visible
+from jax_cp._softmax import NEG, acc_dtype, check_soft_cap, fold_sinks, head_max, sinks_grad, varying_sinks
 from jax_cp._platform import target_platform
+from jax_cp._vma import varying
 
-__all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "acc_dtype", "auto_blocks", "check_block",
-           "check_soft_cap", "check_sinks", "varying_sinks", "fold_sinks", "merge_softmax", "head_max", "sinks_grad",
-           "forward", "backward", "varying", "vary_as", "vma", "NEG"]
+__all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "auto_blocks", "check_block", "forward", "backward"]
 
-NEG = -1e30  # finite minus-infinity: masked scores, and the lse of rows that see no key
 _IMAX, _IMIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
-
-
-def acc_dtype(dtype):
-    """Scores, softmax state and gradient accumulators for inputs of ``dtype``: float32 for float32 and
-    narrower, float64 for float64 (``jax_enable_x64``), which float32 would silently round."""
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 class Meta(NamedTuple):
@@ -87,26 +80,6 @@ def check_block(name: str, value) -> int | None:
         raise ValueError(f"{name}={value!r} must be a positive int (e.g. 512) or None (chosen from the shapes "
                          "and the platform).")
     return value
-
-
-def check_soft_cap(value) -> float | None:
-    """``logits_soft_cap``: a positive finite number, or ``None`` (no capping).
-
-    Args:
-        value: the ``logits_soft_cap`` given.
-
-    Returns:
-        ``value`` as a float, or ``None``.
-
-    Raises:
-        ValueError: ``value`` is not a positive finite number or ``None``.
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(f"logits_soft_cap={value!r} must be a positive number (e.g. 50.0, Gemma 2's) or None "
-                         "(no capping).")
-    return float(value)
 
 
 def make_spec(head_dim: int, *, is_causal=False, local_window_size=None, scale=None,
@@ -240,84 +213,6 @@ def _split(x, block: int):
     """``[B, L, ...] -> [L/block, B, block, ...]``."""
     B, L = x.shape[:2]
     return jnp.moveaxis(x.reshape(B, L // block, block, *x.shape[2:]), 1, 0)
-
-
-def vma(x) -> frozenset:
-    """The manual mesh axes ``x`` varies over inside ``jax.shard_map`` (empty outside)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; older releases call it ``vma``
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
-def unchecked(fn, *args):
-    """``fn(*args)`` traced without manual-axis type checks: for ``pallas_call`` kernels (splash,
-    ``pallas_gpu``), which declare their outputs without manual-axis types, which
-    ``shard_map(check_vma=True)`` rejects.
-
-    Inside a ``shard_map`` the call runs in a nested ``shard_map`` over no further axes with
-    ``check_vma=False``: the switch is part of the program, so transformations that trace the call
-    again later (``jax.checkpoint``'s partial evaluation of the ring's loop) trace it unchecked too.
-    Callers retype the results (``vary_as``), so outside the kernel the checks stay on. Outside
-    ``shard_map`` there is nothing to check."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not mesh.manual_axes:
-        return fn(*args)
-    return jax.shard_map(fn, mesh=mesh, in_specs=jax.P(), out_specs=jax.P(), axis_names=set(),
-                         check_vma=False)(*args)
-
-
-def varying(refs, *xs):
-    """Marks fresh loop carries as varying over the manual mesh axes the inputs vary over.
-
-    Inside ``jax.shard_map`` loop carries must keep one type; zeros start out
-    invariant while the updates vary with the data.
-    """
-    axes = frozenset().union(*(vma(r) for r in jax.tree.leaves(refs)))
-    if not axes:
-        return xs
-    return tuple(lax.pcast(x, tuple(sorted(axes)), to="varying") for x in xs)
-
-
-def vary_as(x, *refs):
-    """``x`` retyped to vary over the manual axes the ``refs`` vary over (no data movement; ``None``
-    passes). A differentiable input of a ``custom_vjp`` typed so gets a cotangent of its own type."""
-    if x is None:
-        return None
-    want, have = frozenset().union(*(vma(r) for r in jax.tree.leaves(refs))), vma(x)
-    return lax.pcast(x, tuple(sorted(want - have)), to="varying") if want - have else x
-
-
-def _sink_like(sinks_H, lse, head_axis: int):
-    shape = [1] * lse.ndim
-    shape[head_axis] = -1
-    return sinks_H.astype(lse.dtype).reshape(shape)
-
-
-def fold_sinks(o, lse, sinks_H, head_axis: int = -1):
-    """The attention sinks join every row's softmax once, after all its keys: ``(o, lse)`` of the
-    keys (``acc_dtype``; ``o`` has ``lse``'s axes plus the head dim) -> ``(o, lse)`` of the keys and the
-    sink logit, which adds to the denominator and contributes no value. ``None`` sinks: unchanged."""
-    if sinks_H is None:
-        return o, lse
-    new = jnp.logaddexp(lse, _sink_like(sinks_H, lse, head_axis))
-    return o * jnp.exp(lse - new)[..., None], new
-
-
-def merge_softmax(a, b):
-    """Two partial softmaxes ``(o, lse)`` (``acc_dtype``) over disjoint keys -> the softmax over both (a
-    ring step's merge of its chunk into what earlier chunks gave)."""
-    (o0, lse0), (o1, lse1) = a, b
-    new = jnp.logaddexp(lse0, lse1)
-    return o0 * jnp.exp(lse0 - new)[..., None] + o1 * jnp.exp(lse1 - new)[..., None], new
-
-
-def sinks_grad(sinks_H, lse, delta, head_axis: int = -1):
-    """``d loss / d sinks``: ``-sum(p_sink * delta)`` over every axis but the heads, where ``p_sink =
-    exp(sink - lse)`` is the sink's share of the (folded) softmax and ``delta = sum(do * o, -1)``."""
-    if sinks_H is None:
-        return None
-    g = -jnp.exp(_sink_like(sinks_H, lse, head_axis) - lse) * delta
-    return jnp.moveaxis(g, head_axis, -1).reshape(-1, sinks_H.shape[0]).sum(0).astype(sinks_H.dtype)
 
 
 def _meta_blocks(m: Meta, block: int) -> tuple:
@@ -527,13 +422,6 @@ def output_cotangent(spec: Spec, ct, o):
     return do, delta
 
 
-def head_max(max_BTH):
-    """Rows' largest visible logits ``[B, T, H]`` -> per head ``[H]`` (their dtype), ``-inf`` where no
-    row saw a key (the max-logit statistic, e.g. for QK-clip)."""
-    m = lax.stop_gradient(max_BTH).max((0, 1))
-    return jnp.where(m > 0.5 * NEG, m, -jnp.inf)
-
-
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
@@ -587,27 +475,3 @@ def blockwise_attention(
     return _attention(q_BTHd, k_BSKd, v_BSKd, qm, km, sinks, spec)
 
 
-def check_sinks(sinks, num_heads: int):
-    """``sinks``: a floating ``[num_heads]`` array (one logit per query head).
-
-    Args:
-        sinks: the sink logits given.
-        num_heads: the number of query heads.
-
-    Returns:
-        ``sinks``.
-
-    Raises:
-        ValueError: ``sinks`` is not a floating array of shape ``(num_heads,)``.
-    """
-    shape, dtype = getattr(sinks, "shape", None), getattr(sinks, "dtype", None)
-    if shape != (num_heads,) or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"sinks (shape={shape}, dtype={dtype}) must be a floating array of shape "
-                         f"(num_heads,)=({num_heads},): one sink logit per query head.")
-    return sinks
-
-
-def varying_sinks(sinks, q_BTHd, *refs):
-    """Checked ``sinks`` (``None`` passes), typed to vary over the manual axes ``q`` and ``refs``
-    vary over: the sink gradient, summed from them, then has the primal's type."""
-    return None if sinks is None else vary_as(check_sinks(sinks, q_BTHd.shape[2]), q_BTHd, *refs)
