@@ -62,7 +62,7 @@ def test_every_guide_has_an_example():
 @pytest.mark.parametrize("path, limit", [("README.md", 250), ("benchmarks/RESULTS.md", 400)])
 def test_document_length(path, limit):
     lines = len((ROOT / path).read_text().splitlines())
-    assert lines <= limit, f"{path} has {lines} lines; keep it at most {limit} (details go to docs/ or benchmarks/history/)"
+    assert lines <= limit, f"{path} has {lines} lines; keep it at most {limit} (details go to docs/)"
 
 
 def _slug(heading: str) -> str:
@@ -81,3 +81,22 @@ def test_relative_links_resolve(path):
         if anchor and resolved.suffix == ".md":
             headings = re.findall(r"^#+ (.+)$", resolved.read_text(), flags=re.M)
             assert anchor in {_slug(h) for h in headings}, f"{path} links {target}#{anchor}: no such heading"
+
+
+NARRATION = re.compile(r"\b(issue|stop) #?\d+\b|\b(\d+(st|nd|rd|th)|first|second|third|fourth|fifth|sixth|seventh|"
+                       r"eighth|ninth|tenth|eleventh|twelfth|previous|last|this) session\b", flags=re.I)
+
+
+def test_no_file_narrates_how_the_project_was_built():
+    """The project speaks of itself: no tracked file refers to issue numbers or work sessions (the
+    repository's history is git's)."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    hits = []
+    for name in files:
+        path = ROOT / name
+        if path.suffix not in (".md", ".py", ".ipynb", ".yml", ".toml", ".sh", ".txt", "") or not path.is_file():
+            continue
+        for i, line in enumerate(path.read_text(errors="ignore").splitlines(), 1):
+            if NARRATION.search(line) and name != "tests/test_docs.py":
+                hits.append(f"{name}:{i}: {line.strip()[:100]}")
+    assert not hits, hits

@@ -1,6 +1,6 @@
 """Plain Flax/optax/orbax code around ``CPAttention`` on the mesh ``jax_cp.make_mesh`` gives by default.
 
-Each test is the first hour of a user (issue 23): a small NNX language model (``nnx.Embed`` ->
+Each test is the first hour of a user: a small NNX language model (``nnx.Embed`` ->
 attention blocks -> logits, optax integer-label cross entropy) trained and restored with orbax, a
 Linen model initialised under ``jax.set_mesh``, eager ``jax.grad`` and slicing of
 ``dot_product_attention`` outputs. Values are checked against a single-device reference.

@@ -81,7 +81,7 @@ def _ref(**kw):
     ((4, 1, 1), "ring", "full", 2, jnp.bfloat16),               # ring in bfloat16
 ])
 def test_every_exchange_with_sinks_soft_cap_and_max_logits(layout, kv_exchange, mask, K, dtype):
-    """Issue 19's per-logit features together, against the reference that states each plainly:
+    """The per-logit features together, against the reference that states each plainly:
     the sinks join each softmax once (not per device or ring step), each logit is capped once, and
     the max-logit statistic is reduced over the whole mesh; forward, the statistic, and the gradients
     of q, k, v and the sinks."""
