@@ -7,9 +7,12 @@ the step compiled again at its second call on jax 0.12), and this test process h
 everything already.
 """
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from util import child_env
 
@@ -84,3 +87,33 @@ def test_a_jitted_training_step_compiles_once():
     assert result["jax_modules_imported_by_the_step"] == [], result
     assert result["compiles"] == 1, result
     assert all(abs(l) < float("inf") for l in result["losses"]), result
+
+
+# The README's first training example (and the modules guide's) as written, its step's compiles
+# counted: the optimizer made under the mesh starts with its scalar state replicated on it.
+def _block_with_optimizer(path: Path) -> str:
+    blocks = re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+    return next(b for b in blocks if "nnx.Optimizer" in b and "def step" in b)
+
+
+COUNTING = r'''
+import logging, re, sys, json
+class Count(logging.Handler):
+    n = 0
+    def emit(self, record):
+        Count.n += bool(re.match(r"Compiling (jit\()?step\b", record.getMessage()))
+logging.getLogger("jax").addHandler(Count())
+import jax
+jax.config.update("jax_log_compiles", True)
+exec(compile(sys.stdin.read(), "<example>", "exec"), {"__name__": "__main__"})
+print(json.dumps({"compiles": Count.n}))
+'''
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/guides/modules.md"])
+def test_the_documented_training_example_compiles_its_step_once(doc):
+    env = {k: v for k, v in child_env(cpu_only=True).items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    proc = subprocess.run([sys.executable, "-c", COUNTING], input=_block_with_optimizer(ROOT / doc), env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"compiles": 1}, proc.stdout[-2000:]
