@@ -1,7 +1,7 @@
 """jax_cp: context-parallel attention for JAX and Flax.
 
-Public API: ``make_mesh``, ``dot_product_attention``, ``CPAttention`` (NNX),
-``linen.CPAttention``, ``AttentionSpec`` (the validated layer description),
+Public API: ``make_mesh``, ``dot_product_attention``, ``visibility`` (the mask it applies, as a
+dense array), ``CPAttention`` (NNX), ``linen.CPAttention``, ``AttentionSpec`` (the validated layer description),
 ``AttentionSharding`` (parameter storage layout), ``place``/``gather`` (arrays into a layout;
 ``gather`` as explicit all-gathers whose gradients are reduce-scatters), ``seq_to_heads``/
 ``heads_to_seq`` (the Ulysses all-to-all per shard), ``exchanges`` (the K/V
@@ -9,7 +9,7 @@ exchanges as values), ``load_balance``, ``kernels``, ``reference`` (the
 single-device ground truth); ``jax_cp.plan`` (the pod planner) is imported on use.
 """
 from jax_cp import exchanges, kernels, linen, load_balance, reference
-from jax_cp._attention import dot_product_attention
+from jax_cp._attention import dot_product_attention, visibility
 from jax_cp._defaults import describe_kernel
 from jax_cp._layer import AttentionSharding, param_shapes, param_specs
 from jax_cp._mesh import AXES, COLOSSAL, DP, TP, ULYSSES, MeshDims, gather, make_mesh, mesh_dims, place
@@ -22,5 +22,6 @@ __all__ = [
     "AXES", "AttentionSharding", "AttentionSpec", "COLOSSAL", "CPAttention", "DP", "MeshDims", "TP", "ULYSSES",
     "apply_rope", "describe_kernel", "dot_product_attention", "exchanges", "gather", "heads_to_seq", "kernels", "linen", "load_balance",
     "make_mesh", "mesh_dims", "param_shapes", "param_specs", "place", "reference", "rms_norm", "seq_to_heads",
+    "visibility",
 ]
 __version__ = "0.1.0"

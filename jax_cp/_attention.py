@@ -19,15 +19,17 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_cp import kernels
-from jax_cp._checks import refuse_dense
+from jax_cp._checks import check_positive_int, refuse_dense
 from jax_cp._defaults import AUTO
 from jax_cp._body import (GivenQKV, attention_shard, check_dtype, kernel_for_dtype, metadata_sides, placed_metadata,
-                          shard_call)
+                          shard_call, span_sides)
+from jax_cp._masks import normalize_window, visible
+from jax_cp._meta import Meta
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place
 from jax_cp._softmax import check_sinks
 from jax_cp._spec import AttentionSpec, check_seq_batch
 
-__all__ = ["dot_product_attention", "LAYOUTS"]
+__all__ = ["dot_product_attention", "visibility", "LAYOUTS"]
 
 LAYOUTS = ("BSHD", "BNSD")
 X_SPEC = P(DP, CP, TP, None)  # [B, S, H, d]
@@ -94,11 +96,15 @@ def dot_product_attention(
             the data-driven arguments to use).
         mesh: the ``("dp", "cp_colossal", "cp_ulysses", "tp")`` mesh (:func:`jax_cp.make_mesh`).
         is_causal: a causal mask (on the positions, not the array order).
-        scale: the logits' scale (default ``d ** -0.5``).
+        scale: the logits' scale (default ``d ** -0.5``); traced (under ``jit``/``grad``) it is
+            multiplied into the query, so it takes a gradient (:func:`jax_cp.kernels.scaled_query`).
         layout: ``"BSHD"`` or ``"BNSD"``.
         positions, segment_ids: ``[S]`` or ``[B, S]`` ints: each token's global position and its
             document in the order given (negative segment ids: padding).
-        local_window_size: ``w`` or ``(left, right)``, as jax.nn's.
+        local_window_size: ``w`` or ``(left, right)`` Python or NumPy ints, as jax.nn's: bounds
+            inclusive, a query at position ``p`` sees keys at ``p - left`` to ``p + right``. A window
+            ``W`` meaning ``|p_q - p_k| < W`` (Gemma, Hugging Face, Mistral) is ``(W - 1, W - 1)``,
+            or ``(W - 1, 0)`` with ``is_causal``.
         kernel: ``"auto"`` or a ``jax_cp.kernels`` value or name (``jax_cp.describe_kernel``).
         kv_exchange: how K/V cross ``cp_colossal``: a ``jax_cp.exchanges`` value, its name or
             ``"auto"`` (the measured rule).
@@ -112,12 +118,16 @@ def dot_product_attention(
         implementation: jax.nn's ``None``/``"xla"``/``"cudnn"`` (``kernel="auto"/"xla"/"cudnn"``).
         return_residual: also return each row's log-sum-exp (``[B, T, H]``; ``[B, H, T]`` for BNSD;
             the inputs' dtype; sinks included; ``-inf`` for a query that sees no key), differentiable.
-        query_seq_lengths, key_value_seq_lengths: jax.nn's ``[B]`` lengths: tokens at positions from
-            the length on are padding as queries (zero output) / as keys (never seen).
+        query_seq_lengths, key_value_seq_lengths: jax.nn's ``[B]`` lengths, counted as jax.nn
+            counts them, by index in the arrays given (not by position): tokens from index
+            ``length`` on are padding as queries (zero output) / as keys (never seen). For a
+            reordered sequence (``load_balance``), pad with negative segment ids instead.
         kv_positions, kv_segment_ids: the keys' own (cross attention; ``arange(S)`` positions by
             default; segment ids on both sides or neither).
         span_ids, kv_span_ids: ``[B, S]`` bidirectional span ids (0: none; the keys' for cross
-            attention): a causal mask also lets a token see the later tokens of its own span.
+            attention): a causal mask also lets a token see the later tokens of its own span
+            (within the window). Under a mask they cannot change (not causal, or a window whose
+            right edge is 0) they are a ``ValueError``.
 
     Returns:
         ``out`` like ``query``; with ``return_max_logits``/``return_residual``:
@@ -142,6 +152,7 @@ def _call(query, key, value, bias, mask, mesh, layout, options: dict, sinks, imp
     dims, unbatched = mesh_dims(mesh), getattr(query, "ndim", None) == 3
     query, key, value = _check_qkv(query, key, value, layout)
     kernel = kernel_for_dtype(kernel, query.dtype, "kernel" if implementation is None else "implementation")
+    query, options["scale"] = kernels.scaled_query(query, options["scale"])  # a traced scale: into the query
     (B, T, H, d), (S, K) = query.shape, key.shape[1:3]
     spec = _resolved_spec(mesh, query, K, S, (given[1], *lengths), spans[0], kernel=kernel,
                           use_sinks=sinks is not None, v_head_dim=value.shape[-1], **options)
@@ -159,9 +170,55 @@ def _placed_meta(mesh, dims, batch: int, q_len: int, kv_len: int, given: tuple, 
     the span ids."""
     check_seq_batch(batch, q_len, dims)
     check_seq_batch(batch, kv_len, dims, name="the key/value sequence length")
-    sides = metadata_sides(*given, batch, q_len, kv_len)
-    pos, seg, kv_seg, kv_pos = _length_padding(*sides, *lengths, batch, q_len)
+    pos, seg, kv_seg, kv_pos = _metadata(batch, q_len, kv_len, given, lengths)
     return placed_metadata(pos, seg, batch, q_len, mesh, kv_seg, kv_pos, spans)
+
+
+def _metadata(batch: int, q_len: int, kv_len: int, given: tuple, lengths: tuple) -> tuple:
+    """The checked ``(pos, seg, kv_seg, kv_pos)`` of queries and keys (``metadata_sides``) from the given
+    positions/segment ids, with jax.nn's lengths as padding (``_length_padding``)."""
+    sides = metadata_sides(*given, batch, q_len, kv_len)
+    return _length_padding(*sides, *lengths, batch, q_len)
+
+
+def visibility(
+    batch, q_len, kv_len=None, *, is_causal=False, positions=None, segment_ids=None, local_window_size=None,
+    query_seq_lengths=None, key_value_seq_lengths=None, kv_positions=None, kv_segment_ids=None, span_ids=None,
+    kv_span_ids=None,
+):
+    """The boolean mask ``[B, T, S]`` that :func:`dot_product_attention` applies for this metadata.
+
+    ``mask[b, t, s]``: query ``t`` of row ``b`` sees key ``s``, indices as given (the arrays'
+    order, whatever it is). It is the dense mask a port's own attention would take, so a model can
+    check its metadata against it: ``jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])``
+    equals ``jax_cp.dot_product_attention(q, k, v, mesh=..., **metadata)`` on every query that
+    sees a key (a query that sees none gets zeros from jax_cp, where jax.nn averages the values).
+    Quadratic in the sequence: for tests and small inputs, not for the training step.
+
+    Args:
+        batch, q_len, kv_len: the shape ``[B, T, S]`` (``kv_len``: ``None`` means ``q_len``).
+        is_causal, positions, segment_ids, local_window_size: as :func:`dot_product_attention`.
+        query_seq_lengths, key_value_seq_lengths: as :func:`dot_product_attention` (by index).
+        kv_positions, kv_segment_ids, span_ids, kv_span_ids: as :func:`dot_product_attention`
+            (span ids are taken under any mask here, even where attention refuses them as changing
+            nothing).
+
+    Returns:
+        ``mask [B, T, S]`` bool.
+
+    Raises:
+        ValueError: a size is not a positive int, or a metadata argument is invalid (as attention
+            would refuse it).
+    """
+    kv_len = q_len if kv_len is None else kv_len
+    for name, n in (("batch", batch), ("q_len", q_len), ("kv_len", kv_len)):
+        check_positive_int(name, n)
+    pos, seg, kv_seg, kv_pos = _metadata(batch, q_len, kv_len, (positions, segment_ids, kv_positions, kv_segment_ids),
+                                         (query_seq_lengths, key_value_seq_lengths))
+    pos = jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32), (batch, q_len)) if pos is None else pos
+    meta = Meta(pos, seg, kv_seg, kv_pos, *span_sides(span_ids, kv_span_ids, batch, q_len, kv_len))
+    return visible(meta.pos, meta.keys_pos, meta.seg, meta.keys_seg, is_causal=bool(is_causal),
+                   window=normalize_window(local_window_size), q_span_BT=meta.span, kv_span_BS=meta.keys_span)
 
 
 def _resolved_spec(mesh, query, num_kv_heads: int, kv_len: int, segments: tuple, span_ids,
@@ -178,17 +235,16 @@ def _resolved_spec(mesh, query, num_kv_heads: int, kv_len: int, segments: tuple,
 
 def _length_padding(pos, seg, kv_seg, kv_pos, q_lengths, kv_lengths, batch: int, q_len: int):
     """``metadata_sides``' ``(pos, seg, kv_seg, kv_pos)`` with jax.nn's ``*_seq_lengths`` as negative
-    segment ids (padding) of the queries / keys whose position is at or beyond their row's length."""
+    segment ids (padding) of the queries / keys whose index in the given arrays is at or beyond
+    their row's length (jax.nn's rule: by index, whatever the positions say)."""
     if q_lengths is None and kv_lengths is None:
         return pos, seg, kv_seg, kv_pos
-    pos = jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32), (batch, q_len)) if pos is None else pos
-    keys_pos = pos if kv_pos is None else kv_pos
+    kv_len = q_len if kv_pos is None else kv_pos.shape[1]
     seg = jnp.zeros((batch, q_len), jnp.int32) if seg is None else seg
     if kv_seg is None:  # the keys' documents are the queries' (self-attention), or one (cross attention)
-        kv_seg = seg if keys_pos.shape[1] == q_len else jnp.zeros(keys_pos.shape, jnp.int32)
+        kv_seg = seg if kv_len == q_len else jnp.zeros((batch, kv_len), jnp.int32)
     sides = []
-    for name, lengths, p, s in (("query_seq_lengths", q_lengths, pos, seg),
-                                ("key_value_seq_lengths", kv_lengths, keys_pos, kv_seg)):
+    for name, lengths, s in (("query_seq_lengths", q_lengths, seg), ("key_value_seq_lengths", kv_lengths, kv_seg)):
         if lengths is None:
             sides.append(s)
             continue
@@ -196,7 +252,8 @@ def _length_padding(pos, seg, kv_seg, kv_pos, q_lengths, kv_lengths, batch: int,
         if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
             raise ValueError(f"{name} (shape={lengths.shape}, dtype={lengths.dtype}) must be an integer array of "
                              f"shape (batch,)=({batch},): each row's unpadded length.")
-        sides.append(jnp.where(p < lengths.astype(jnp.int32)[:, None], s, -1))
+        index = jnp.arange(s.shape[1], dtype=jnp.int32)[None]
+        sides.append(jnp.where(index < lengths.astype(jnp.int32)[:, None], s, -1))
     return pos, sides[0], sides[1], kv_pos
 
 

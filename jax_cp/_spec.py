@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from jax_cp import exchanges as _exchanges
 from jax_cp import kernels as _kernels
 from jax_cp._chips import CHIPS
-from jax_cp._checks import check_positive_int
+from jax_cp._checks import check_positive_int, check_scale
 from jax_cp._defaults import AUTO, Choice, chip_of, choose, choose_kernel
-from jax_cp._masks import Window, normalize_window
+from jax_cp._masks import Window, normalize_window, spans_ignored_reason
 from jax_cp._mesh import MeshDims, lcm, mesh_dims
 from jax_cp._params import DERIVED, derive_dims
 
@@ -40,7 +40,11 @@ class AttentionSpec:
         out_features: the output projection's width, as flax's ``MultiHeadAttention``;
             ``None`` means ``in_features``.
         v_head_dim: ``None`` means ``head_dim`` (MLA models give values a head dim of their own).
-        is_causal, local_window_size, scale: the mask and the logit scale.
+        is_causal, local_window_size, scale: the mask and the logit scale. ``local_window_size`` is
+            ``w`` or ``(left, right)``, bounds inclusive as jax.nn's: a query at position ``p`` sees
+            keys at ``p - left`` to ``p + right``; a window ``W`` meaning ``|p_q - p_k| < W`` (Gemma,
+            Hugging Face, Mistral) is ``(W - 1, W - 1)``, or ``(W - 1, 0)`` causal. ``scale``: a
+            number (``None``: ``head_dim ** -0.5``).
         use_qk_norm, rope_theta, use_bias: RMS norm of queries and keys, RoPE base, biases.
         overlap_chunks, fused_qkv_chunks: head chunks (see :class:`jax_cp.CPAttention`), or ``"auto"``.
         kernel: the local attention kernel (stored as the value).
@@ -96,6 +100,7 @@ class AttentionSpec:
         if self.overlap_chunks != AUTO:
             check_positive_int("overlap_chunks", self.overlap_chunks)
         set_("local_window_size", normalize_window(self.local_window_size))
+        set_("scale", check_scale(self.scale))
         set_("kernel", _kernels.resolve(self.kernel))
         _kernels.check_block("block_q", self.block_q)
         _kernels.check_block("block_kv", self.block_kv)
@@ -147,7 +152,10 @@ class AttentionSpec:
         not fit) and, with ``seq_len``, the long-sequence entries (``_defaults.SPLASH_LONG_RULES``).
         The kernel is chosen here too (``_defaults.choose_kernel``), for inputs of ``dtype``
         (default: the float type of ``itemsize`` bytes) with or without segment ids and span ids.
+        Span ids (``has_spans``) under a mask they cannot change are a ValueError (``check_spans``).
         """
+        if has_spans:
+            self.check_spans()
         if self.is_resolved:
             return self, None
         dims = mesh_dims(mesh)
@@ -174,6 +182,17 @@ class AttentionSpec:
             use_sinks=self.use_sinks, record_max_logits=self.record_max_logits, return_residual=self.return_residual,
             kv_len=None if seq_len is None else ex.keys_per_call(seq_len, dims.c), spans=has_spans)
         return self._filled(kv_exchange=ex, overlap_chunks=n, fused_qkv_chunks=f, kernel=kernel), c
+
+    def check_spans(self) -> None:
+        """A ValueError when span ids would change nothing under this layer's mask: spans let a query
+        see later keys of its span, so they need ``is_causal`` and a window reaching right."""
+        reason = spans_ignored_reason(self.is_causal, self.local_window_size)
+        if reason is not None:
+            left = self.local_window_size[0] if self.local_window_size else None
+            fix = (f"local_window_size=({left}, {left}) with is_causal=True, so a span's tokens see each other "
+                   f"within the window (a window W meaning |p_q - p_k| < W is (W - 1, W - 1))" if self.is_causal
+                   else "is_causal=True for spans inside a causal stream")
+            raise ValueError(f"span_ids cannot change this mask: {reason}. Drop span_ids, or use {fix}.")
 
     def _choice(self, dims: MeshDims, platform: str, chip: str | None, batch, seq_len, itemsize) -> Choice:
         """The rule's grouping for this layer on a mesh of ``dims`` (``_defaults.choose``)."""

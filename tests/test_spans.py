@@ -222,7 +222,7 @@ def test_bad_span_arguments_are_value_errors():
         jax_cp.dot_product_attention(q, k, v, mesh=mesh, is_causal=True, kv_span_ids=np.ones((B, S), np.int32))
     k2, v2 = k[:, :32], v[:, :32]
     with pytest.raises(ValueError, match=r"pass kv_span_ids= of shape \(batch, 32\) too"):
-        jax_cp.dot_product_attention(q, k2, v2, mesh=mesh, span_ids=np.ones((B, S), np.int32))
+        jax_cp.dot_product_attention(q, k2, v2, mesh=mesh, is_causal=True, span_ids=np.ones((B, S), np.int32))
 
 
 def test_cross_attention_takes_the_keys_spans():

@@ -15,7 +15,7 @@ from jax_cp._platform import target_platform
 from jax_cp._softmax import check_sinks, check_soft_cap, varying_sinks
 from jax_cp.kernels._blockwise import auto_blocks, blockwise_attention, check_block
 from jax_cp.kernels._splash import splash_attention
-from jax_cp.kernels._base import AUTO, REGISTRY, Kernel, resolve
+from jax_cp.kernels._base import AUTO, REGISTRY, Kernel, resolve, scaled_query
 from jax_cp.kernels.blockwise import Blockwise
 from jax_cp.kernels.dense import Dense, dense_attention
 from jax_cp.kernels.splash import Splash
@@ -25,8 +25,8 @@ from jax_cp.kernels.pallas_gpu import PallasGPU
 __all__ = [
     "AUTO", "BLOCKWISE", "CUDNN", "DENSE", "IMPLEMENTATIONS", "KERNELS", "Kernel", "PALLAS_GPU", "SPLASH",
     "auto_blocks", "blockwise_attention", "check_block", "check_sinks", "check_soft_cap",
-    "cudnn_attention", "dense_attention", "from_implementation", "local_attention", "resolve", "select_kernel",
-    "splash_attention", "target_platform",
+    "cudnn_attention", "dense_attention", "from_implementation", "local_attention", "resolve", "scaled_query",
+    "select_kernel", "splash_attention", "target_platform",
 ]
 
 BLOCKWISE, DENSE, SPLASH, CUDNN, PALLAS_GPU = (REGISTRY[k.name] for k in (Blockwise, Dense, Splash, CuDNN, PallasGPU))
@@ -112,7 +112,9 @@ def local_attention(
         kernel: ``"auto"``, a kernel name or value (:func:`select_kernel`).
         q_positions, kv_positions: global positions of the queries and keys.
         q_segment_ids, kv_segment_ids: document ids of the queries and keys (or None).
-        is_causal, local_window_size, scale, logits_soft_cap: the mask, the scale and soft cap.
+        is_causal, local_window_size, scale, logits_soft_cap: the mask (the window's bounds
+            inclusive, as jax.nn's), the scale (a traced one is multiplied into the queries:
+            :func:`scaled_query`) and soft cap.
         block_q, block_kv: the blockwise kernel's tiles (``None``: ``auto_blocks``); the
             platform kernels choose their own.
         sinks: ``[H]`` per-query-head sink logits (or None).
@@ -127,6 +129,7 @@ def local_attention(
         ``o`` ``[B, T, H, dv]``, then ``max_logits`` and/or the log-sum-exp when asked.
     """
     window = normalize_window(local_window_size)
+    q_BTHd, scale = scaled_query(q_BTHd, scale)
     chosen = select_kernel(kernel, platform=target_platform(), is_causal=is_causal, window=window,
                            has_segments=q_segment_ids is not None, dtype=q_BTHd.dtype, head_dim=q_BTHd.shape[-1],
                            soft_cap=logits_soft_cap is not None, sinks=sinks is not None,

@@ -11,7 +11,11 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-__all__ = ["AUTO", "Kernel", "REGISTRY", "register", "resolve"]
+import jax.numpy as jnp
+
+from jax_cp._checks import check_scale
+
+__all__ = ["AUTO", "Kernel", "REGISTRY", "register", "resolve", "scaled_query"]
 
 AUTO = "auto"  # not a kernel: the selection's rule picks one per call
 REGISTRY: dict[str, "Kernel"] = {}
@@ -88,3 +92,28 @@ def resolve(kernel):
     if isinstance(kernel, str) and kernel in REGISTRY:
         return REGISTRY[kernel]
     raise ValueError(f"kernel={kernel!r} is not one of {(AUTO, *REGISTRY)}.")
+
+
+def scaled_query(q, scale):
+    """The query and a scale the kernels take as a Python float (they fix it when traced).
+
+    A number (Python or NumPy) or a concrete scalar array becomes a float; a traced scalar (under
+    ``jit``, ``grad``, ``vmap``) is multiplied into ``q`` instead, in float32 (float64 for float64
+    inputs) and rounded once to ``q``'s dtype, with ``1.0`` as the kernels' scale: the logits are
+    the same, every kernel serves it, and its gradient flows to the scale.
+
+    Args:
+        q: the queries ``[..., d]``.
+        scale: ``None`` (the kernels' ``d ** -0.5``), a real number or a real scalar array.
+
+    Returns:
+        ``(q, scale)``: ``q`` (scaled when ``scale`` was traced) and ``None`` or a Python float.
+
+    Raises:
+        ValueError: ``scale`` is not a real scalar.
+    """
+    scale = check_scale(scale, allow_traced=True)
+    if scale is None or isinstance(scale, float):
+        return q, scale
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    return (q.astype(acc) * scale.astype(acc)).astype(q.dtype), 1.0

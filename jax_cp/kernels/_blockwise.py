@@ -19,10 +19,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_cp._checks import check_scale
 from jax_cp._masks import Window, normalize_window, visible
 from jax_cp._softmax import NEG, acc_dtype, check_soft_cap, fold_sinks, head_max, sinks_grad, varying_sinks
 from jax_cp._platform import target_platform
 from jax_cp._vma import varying
+from jax_cp.kernels._base import scaled_query
 
 __all__ = ["blockwise_attention", "Spec", "Meta", "make_spec", "auto_blocks", "check_block", "forward", "backward"]
 
@@ -86,7 +88,7 @@ def make_spec(head_dim: int, *, is_causal=False, local_window_size=None, scale=N
               block_q: int | None = None, block_kv: int | None = None, logits_soft_cap=None,
               return_max_logits: bool = False, return_residual: bool = False, fused: tuple | None = None) -> Spec:
     return Spec(bool(is_causal), normalize_window(local_window_size),
-                float(head_dim**-0.5 if scale is None else scale),
+                head_dim**-0.5 if scale is None else check_scale(scale),
                 check_block("block_q", block_q), check_block("block_kv", block_kv),
                 check_soft_cap(logits_soft_cap), bool(return_max_logits), bool(return_residual), fused)
 
@@ -441,7 +443,8 @@ def blockwise_attention(
         q_BTHd, k_BSKd, v_BSKd: the local queries, keys and values.
         q_positions, kv_positions, q_segment_ids, kv_segment_ids: positions and document ids
             (segment ids on both sides or neither).
-        is_causal, local_window_size, scale: the mask and the logit scale.
+        is_causal, local_window_size, scale: the mask (the window's bounds inclusive, as jax.nn's) and
+            the logit scale (a traced one is multiplied into the queries: ``scaled_query``).
         block_q, block_kv: tile sizes; default ``auto_blocks`` (batch, heads, platform).
         logits_soft_cap: ``c`` caps the scaled logits to ``c * tanh(logits / c)`` before the mask (Gemma 2).
         sinks: ``[H]``, a learned logit per query head in every row's softmax denominator, no value (GPT-OSS).
@@ -461,6 +464,7 @@ def blockwise_attention(
     Raises:
         ValueError: one side only has segment or span ids, or an argument is invalid.
     """
+    q_BTHd, scale = scaled_query(q_BTHd, scale)
     spec = make_spec(q_BTHd.shape[-1], is_causal=is_causal, local_window_size=local_window_size,
                      scale=scale, block_q=block_q, block_kv=block_kv, logits_soft_cap=logits_soft_cap,
                      return_max_logits=return_max_logits, return_residual=return_residual, fused=fused)
