@@ -139,16 +139,17 @@ def check_dtype(name: str, dtype) -> None:
 
 
 def kernel_for_dtype(kernel, dtype, argument: str = "kernel"):
-    """The kernel for inputs of ``dtype``: float64 (``jax_enable_x64``) runs blockwise, whose
-    accumulators follow the inputs (``"auto"`` picks it); the other kernels compute in float32 and
-    would round float64 silently, so naming one is refused (``argument``: the parameter that named it)."""
-    if jnp.dtype(dtype) != jnp.float64 or kernel == kernels.BLOCKWISE:
+    """The kernel for inputs of ``dtype``: float64 (``jax_enable_x64``) runs blockwise or ``"xla"``,
+    whose accumulators follow the inputs (``"auto"`` picks blockwise); the platform kernels compute in
+    float32 and would round float64 silently, so naming one is refused (``argument``: the parameter
+    that named it)."""
+    if jnp.dtype(dtype) != jnp.float64 or kernel in (kernels.BLOCKWISE, kernels.DENSE, kernels.DENSE.name):
         return kernel
     if kernel == kernels.AUTO:
         return kernels.BLOCKWISE
     raise ValueError(f"{argument}={kernel!r} computes in float32, so float64 inputs (jax_enable_x64) would lose "
-                     "precision silently; use kernel='blockwise' or 'auto' (float64 computed in float64), or cast "
-                     "the inputs to float32.")
+                     "precision silently; use kernel='blockwise', 'xla' or 'auto' (float64 computed in float64), "
+                     "or cast the inputs to float32.")
 
 
 def metadata_sides(positions, segment_ids, kv_positions, kv_segment_ids, batch: int, q_len: int, kv_len: int):

@@ -27,14 +27,17 @@ Letters: B batch, S prompt, T new tokens, L cache length, D model width, H heads
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
+import logging
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_cp._body import attention_shard, shard_call
 from jax_cp._layer import compute_specs, layer_call
@@ -42,7 +45,7 @@ from jax_cp._masks import normalize_window, visible
 from jax_cp._mesh import CP, DP, TP, mesh_dims, place, seq_chunk
 from jax_cp._platform import target_platform
 from jax_cp._projection import LinearProjections, local_kv, per_token, project
-from jax_cp._softmax import fold_sinks
+from jax_cp._softmax import NEG, acc_dtype, fold_sinks
 from jax_cp._spec import Layout, lcm
 
 __all__ = ["CACHE_FIELDS", "EMPTY", "NO_WINDOW", "CacheLayout", "cache_layout", "check_inference", "decode_positions",
@@ -128,12 +131,13 @@ def _prefill_shard(params, x_BSD, meta, *cache_args, spec, layout, dtype, cache:
 def decode_positions(pos_BS, segment_ids_BS=None, lengths_B=None):
     """What decode keeps of a prompt: ``(cache_pos [B, S], next_B [B])``.
 
-    Decode continues each row's last document: the real tokens (position below ``lengths``, segment id
-    >= 0) of the row's largest segment id (packing numbers documents in order; without segment ids
-    the whole row is one document). Every other prompt token is stored at ``EMPTY`` (never seen by a
-    decode step); ``next_B`` is one past the largest position kept, the first decode token's position.
+    Decode continues each row's last document: the real tokens (index below ``lengths``, as jax.nn
+    counts lengths; segment id >= 0) of the row's largest segment id (packing numbers documents in
+    order; without segment ids the whole row is one document). Every other prompt token is stored at
+    ``EMPTY`` (never seen by a decode step); ``next_B`` is one past the largest position kept, the
+    first decode token's position.
     """
-    keep = jnp.ones(pos_BS.shape, bool) if lengths_B is None else pos_BS < lengths_B[:, None]
+    keep = jnp.ones(pos_BS.shape, bool) if lengths_B is None else _real(lengths_B, pos_BS.shape[1])
     if segment_ids_BS is not None:
         seg = jnp.where(keep, segment_ids_BS, -1)
         keep = (seg >= 0) & (seg == seg.max(axis=1, keepdims=True))
@@ -149,11 +153,8 @@ def prefill_prompt(params: dict, x_BSD, cache: dict, *, mesh, spec, dtype=None, 
     bidirectional spans (a prefix, an image); the tokens decode generates carry span 0, so decode
     continues causally. Returns ``(y, cache)``."""
     L = check_cache(cache, spec, getattr(x_BSD, "shape", (None,))[0])  # before the layer's own checks
-    if span_ids is not None and lengths is not None:  # padding joins no span: causal, nothing before it sees it
-        (B, S), pos = x_BSD.shape[:2], positions
-        ok = _check_lengths(lengths, B, S)[:, None]
-        pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) if pos is None else jnp.asarray(pos), (B, S))
-        span_ids = jnp.where(pos < ok, jnp.broadcast_to(jnp.asarray(span_ids), (B, S)), 0)
+    if lengths is not None:  # right padding by index: a document of its own that no real token sees
+        segment_ids, span_ids = _pad_by_length(lengths, x_BSD.shape[:2], segment_ids, span_ids)
     call = layer_call(params, x_BSD, mesh=mesh, spec=spec, dtype=dtype, positions=positions,
                       segment_ids=segment_ids, local_window_size=local_window_size, span_ids=span_ids)
     B, S = call.batch, call.seq_len
@@ -184,6 +185,21 @@ def _left_window(local_window_size) -> int:
     """The part of a window a causal decode step uses (its keys all come before it)."""
     window = normalize_window(local_window_size)
     return NO_WINDOW if window is None else window[0]
+
+
+def _real(lengths_B, seq_len: int):
+    """``[B, S]``: the token's index is below its row's length (jax.nn's rule: lengths count indices)."""
+    return jnp.arange(seq_len, dtype=jnp.int32)[None] < lengths_B[:, None]
+
+
+def _pad_by_length(lengths, shape: tuple, segment_ids, span_ids):
+    """The prompt's padding (index at or past ``lengths``) as negative segment ids and span 0: padding
+    is never seen, whatever positions it carries (pads often repeat the last real position)."""
+    B, S = shape
+    real = _real(_check_lengths(lengths, B, S), S)
+    seg = jnp.zeros((B, S), jnp.int32) if segment_ids is None else jnp.broadcast_to(jnp.asarray(segment_ids), (B, S))
+    spans = None if span_ids is None else jnp.where(real, jnp.broadcast_to(jnp.asarray(span_ids), (B, S)), 0)
+    return jnp.where(real, seg, -1), spans
 
 
 def _check_lengths(lengths, batch: int, seq_len: int):
@@ -219,8 +235,9 @@ def _new_tokens(params, x_BTD, pos_BT, spec, cl: CacheLayout, dims, dtype):
 
 
 def attend_cache(q_BTHd, k_BSKd, v_BSKd, q_pos_BT, k_pos_BS, spec, form: str | None = None, window_left=None):
-    """``(o [B, T, H, dv], lse [B, T, H])`` float32 of the queries over one cache shard (causal, window,
-    soft cap, empty slots hidden). Dense: ``T`` rows, so the scores are small next to the cache.
+    """``(o [B, T, H, dv], lse [B, T, H])`` of the queries over one cache shard (causal, window, soft cap,
+    empty slots hidden), in the inputs' ``acc_dtype`` (float32; float64 for float64). Dense: ``T`` rows,
+    so the scores are small next to the cache.
     ``window_left`` (an int32 scalar, may be traced: the cache's ``cache_window``; negative for none)
     hides keys more than that many positions before the query, besides ``spec``'s window.
 
@@ -232,12 +249,13 @@ def attend_cache(q_BTHd, k_BSKd, v_BSKd, q_pos_BT, k_pos_BS, spec, form: str | N
     B, T, H, d = q_BTHd.shape
     K = k_BSKd.shape[2]
     scale = d**-0.5 if spec.scale is None else spec.scale
+    acc = acc_dtype(jnp.result_type(q_BTHd, k_BSKd, v_BSKd))
     q = q_BTHd.reshape(B, T, K, H // K, d)
     if form == "dot":
-        s = jnp.einsum("btkgd,bskd->bskgt", q.astype(k_BSKd.dtype), k_BSKd, preferred_element_type=jnp.float32)
+        s = jnp.einsum("btkgd,bskd->bskgt", q.astype(k_BSKd.dtype), k_BSKd, preferred_element_type=acc)
     else:
-        q = q.astype(jnp.float32)
-        s = jnp.stack([(q[:, None, t] * k_BSKd[:, :, :, None].astype(jnp.float32)).sum(-1) for t in range(T)], -1)
+        q = q.astype(acc)
+        s = jnp.stack([(q[:, None, t] * k_BSKd[:, :, :, None].astype(acc)).sum(-1) for t in range(T)], -1)
     s = s * scale  # [B, S, K, G, T]
     if spec.logits_soft_cap is not None:
         s = spec.logits_soft_cap * jnp.tanh(s / spec.logits_soft_cap)
@@ -251,9 +269,9 @@ def attend_cache(q_BTHd, k_BSKd, v_BSKd, q_pos_BT, k_pos_BS, spec, form: str | N
     p = jnp.exp(s - m)  # 0 where hidden
     total = p.sum(1)  # [B, K, G, T]
     if form == "dot":
-        o = jnp.einsum("bskgt,bskd->bkgtd", p.astype(v_BSKd.dtype), v_BSKd, preferred_element_type=jnp.float32)
+        o = jnp.einsum("bskgt,bskd->bkgtd", p.astype(v_BSKd.dtype), v_BSKd, preferred_element_type=acc)
     else:
-        o = (p[..., None] * v_BSKd[:, :, :, None, None].astype(jnp.float32)).sum(1)  # [B, K, G, T, dv]
+        o = (p[..., None] * v_BSKd[:, :, :, None, None].astype(acc)).sum(1)  # [B, K, G, T, dv]
     o = o / jnp.where(total > 0, total, 1.0)[..., None]
     lse = jnp.where(total > 0, m[:, 0] + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
     return jnp.moveaxis(o, 3, 1).reshape(B, T, H, -1), jnp.moveaxis(lse, 3, 1).reshape(B, T, H)
@@ -261,11 +279,14 @@ def attend_cache(q_BTHd, k_BSKd, v_BSKd, q_pos_BT, k_pos_BS, spec, form: str | N
 
 def merge_partials(o_BTHd, lse_BTH, axes):
     """Attention over keys split across ``axes``: each device's ``(o, lse)`` -> the whole softmax's
-    (float32), replicated over ``axes``: a ``pmax`` of the log-sum-exps, then one ``psum`` of the
-    rescaled outputs with their weights (both ``[B, T, H]``-sized: small next to the cache)."""
-    m = lax.pmax(jnp.where(jnp.isfinite(lse_BTH), lse_BTH, -1e30), axes)
+    (``acc_dtype``: float32, float64 for float64), replicated over ``axes``: a ``pmax`` of the log-sum-exps,
+    then one ``psum`` of the rescaled outputs with their weights (both ``[B, T, H]``-sized: small next to
+    the cache)."""
+    acc = acc_dtype(jnp.result_type(o_BTHd, lse_BTH))
+    lse_BTH = lse_BTH.astype(acc)
+    m = lax.pmax(jnp.where(jnp.isfinite(lse_BTH), lse_BTH, NEG), axes)
     w = jnp.exp(jnp.where(jnp.isfinite(lse_BTH), lse_BTH - m, -jnp.inf))  # 0 where a device's keys are all hidden
-    both = lax.psum(jnp.concatenate([w[..., None] * o_BTHd.astype(jnp.float32), w[..., None]], axis=-1), axes)
+    both = lax.psum(jnp.concatenate([w[..., None] * o_BTHd.astype(acc), w[..., None]], axis=-1), axes)
     o, total = both[..., :-1], both[..., -1]
     safe = jnp.where(total > 0, total, 1.0)
     return o / safe[..., None], jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
@@ -282,8 +303,8 @@ def _cp_rank():
 def _decode_shard(params, x_BTD, ck, cv, cpos, index_B, slots, window, *, spec, dims, dtype, cl: CacheLayout,
                   checks: tuple = ()):
     T, n = x_BTD.shape[1], dims.cp
-    for message, failed in checks:  # on every device, before any collective: all stop together, none waits
-        jax.debug.callback(partial(_raise_if, message=message), failed(slots, window))
+    for failed, message in checks:  # on every device, before any collective: all stop together, none waits
+        jax.debug.callback(partial(_stop_if, message=message), failed(slots, window), slots, window)
     pos_BT = index_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     q, k, v = _new_tokens(params, x_BTD, pos_BT, spec, cl, dims, dtype)
     rank = _cp_rank()
@@ -304,12 +325,104 @@ def _decode_shard(params, x_BTD, ck, cv, cpos, index_B, slots, window, *, spec, 
     return y.astype(dtype), (ck, cv, cpos)
 
 
-def _raise_if(failed, message: str) -> None:
-    """A ``jax.debug.callback`` target: raises ``ValueError(message)`` at run time when ``failed``, so a
-    jitted decode step that must not run fails (a ``JaxRuntimeError`` naming the ValueError) instead
-    of returning a silent result."""
+def _stop_if(failed, slots, window, *, message) -> None:
+    """A ``jax.debug.callback`` target on every device of a jitted step: raises ``ValueError(message(slots,
+    window))`` when ``failed``. Every device stops at the same point, before any collective (a device that
+    went on would wait for the stopped ones forever); the step then fails with a ``JaxRuntimeError``
+    carrying the message, which ``_arm_stops`` keeps JAX from printing again per device and at exit."""
     if bool(np.any(failed)):
-        raise ValueError(message)
+        error = ValueError(message(int(slots), int(window)))
+        error.jax_cp_stop = True
+        _STOPS.add(str(error))
+        raise error
+
+
+_STOPS: set[str] = set()  # the messages of the jitted steps that stopped (``_stop_if``)
+
+
+class _QuietStops(logging.Filter):
+    """Drops JAX's log of each device's stopping callback: the step's error carries the message once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record.exc_info[1] if record.exc_info else None, "jax_cp_stop", False)
+
+
+@functools.cache
+def _arm_stops() -> None:
+    """Once, when a step with run-time checks is first traced: JAX's callback logger drops the stops'
+    records, and ``_forget_stops`` runs at exit (before JAX's own exit hooks, registered earlier)."""
+    logging.getLogger(jax.debug.callback.__module__).addFilter(_QuietStops())
+    atexit.register(_forget_stops)
+
+
+def _forget_stops() -> None:
+    """At exit: a stopped step failed where its outputs were read; JAX's exit hooks would raise that
+    failure again ("Exception ignored in atexit callback"). Waits for every dispatched effect and forgets
+    a stop (JAX 0.10 keeps a failure it has raised: a finished effect on every device replaces it); any
+    other failure is left to JAX to report."""
+    try:
+        jax.effects_barrier()
+        return
+    except Exception as error:  # a JaxRuntimeError, or a group of them
+        failure = error
+    ours = any(message in str(failure) for message in _STOPS)
+    try:
+        jax.effects_barrier()  # newer JAX (0.12) forgot the failure as it raised it
+    except Exception:
+        if ours:
+            _finish_effects()
+        return  # kept: JAX's exit hooks report a failure not ours
+    if not ours:
+        raise failure
+
+
+def _finish_effects() -> None:
+    """Runs an empty callback on every local device, so each device's last effect is a finished one."""
+    mesh = Mesh(np.array(jax.local_devices()), ("devices",))
+    done = jax.shard_map(lambda: (jax.debug.callback(lambda: None), jnp.zeros(()))[1], mesh=mesh, in_specs=(),
+                         out_specs=P())
+    jax.jit(done)().block_until_ready()
+    jax.effects_barrier()
+
+
+def _step_checks(cache: dict, T: int, L: int, n: int, local_window_size) -> tuple:
+    """What a decode step refuses: overfilling the cache, a window other than the prefill's. A concrete
+    cache (an eager call) is checked here: a ``ValueError`` before anything runs. A traced one (under
+    ``jit``) gives ``(failed, message)`` pairs of functions of ``(slots, window)`` that every device checks
+    when the step runs (``_stop_if``)."""
+    slots, window = cache["cache_slots"], cache["cache_window"]
+    overflow = partial(_overflow_message, T=T, L=L, n=n)
+    checks = []
+    if isinstance(slots, jax.core.Tracer):
+        checks.append((lambda slots, window: slots + T > L, overflow))
+    elif int(slots) + T > L:
+        raise ValueError(overflow(int(slots), None))
+    if local_window_size is not None:
+        wanted, differs = _left_window(local_window_size), partial(_window_message, local_window_size)
+        if isinstance(window, jax.core.Tracer):
+            checks.append((lambda slots, window: window != wanted, differs))
+        elif int(window) != wanted:
+            raise ValueError(differs(None, int(window)))
+    if checks:
+        _arm_stops()
+    return tuple(checks)
+
+
+def _overflow_message(slots: int, window, *, T: int, L: int, n: int) -> str:
+    """The overfilling step's message: the tokens asked for, ``max_length``, the slots written, the fix."""
+    del window
+    need = -(-(slots + T) // n) * n
+    return (f"decoding {T} more token(s) would overfill the cache: {slots} of its max_length={L} slots are "
+            f"already written; init_cache with max_length >= {need} (the prompt and every token to decode, a "
+            f"multiple of cp_colossal*cp_ulysses={n}).")
+
+
+def _window_message(local_window_size, slots, window: int) -> str:
+    """The message of a decode step whose window differs from the prefill's (``window``)."""
+    del slots
+    used = None if window == NO_WINDOW else window
+    return (f"local_window_size={local_window_size!r} differs from the window the prefill used ({used}); decode "
+            "steps attend with the prefill's window (cache_window): pass the same, or none.")
 
 
 def decode_step(params: dict, x_BTD, cache: dict, *, mesh, spec, dtype, local_window_size=None):
@@ -318,45 +431,31 @@ def decode_step(params: dict, x_BTD, cache: dict, *, mesh, spec, dtype, local_wi
     Returns ``(y [B, T, out_features], cache)`` with the new tokens' K/V written and ``cache_index``
     advanced by ``T``. The window is the prefill's (``cache_window``); ``local_window_size``, if given,
     must equal it. ``ValueError`` when the input is not ``[B, T, D]``, the cache is missing, of another
-    batch, full, or the window differs; under ``jit`` (a traced cache) the last two are checked when
-    the step runs and fail it (``jax.debug.callback``: a ``JaxRuntimeError`` carrying the ValueError),
-    and the outputs of a step past ``max_length`` are NaN besides.
+    batch, would overfill, or the window differs. Under ``jit`` (a traced cache) the last two are
+    checked when the step runs: every device stops before its first collective and the step fails with
+    one ``JaxRuntimeError`` carrying the ``ValueError``'s message, where its outputs are read (printed
+    once: not per device, not again at exit); an overflowing step writes nothing and its outputs are
+    NaN besides.
     """
     if getattr(x_BTD, "ndim", None) != 3 or x_BTD.shape[-1] != spec.in_features:
         raise ValueError(f"a decode step's input has shape={getattr(x_BTD, 'shape', None)}; it must be (batch, "
                          f"new_tokens, in_features={spec.in_features}).")
     B, T = x_BTD.shape[:2]
     L = check_cache(cache, spec, B)
-    slots, window = cache["cache_slots"], cache["cache_window"]
-    overflow = (f"decoding {T} more token(s) would overfill the cache: exceed its max_length={L}; init_cache with a "
-                "larger max_length.")
-    checks = []  # what only the running step can know (a traced cache: under jit)
-    if isinstance(slots, jax.core.Tracer):
-        checks.append((overflow, lambda slots, window: slots + T > L))
-    elif int(slots) + T > L:
-        raise ValueError(f"{overflow[:-1]} ({int(slots)} slots written).")
-    if local_window_size is not None:
-        wanted = _left_window(local_window_size)
-        differs = lambda used: (f"local_window_size={local_window_size!r} differs from the window the prefill "
-                                f"used{used}; decode steps attend with the prefill's window (cache_window): pass "
-                                "the same, or none.")
-        if isinstance(window, jax.core.Tracer):
-            checks.append((differs(""), lambda slots, window: window != wanted))
-        elif int(window) != wanted:
-            raise ValueError(differs(f" ({None if int(window) == NO_WINDOW else int(window)})"))
     cl, dims, param_specs = cache_layout(spec, mesh), mesh_dims(mesh), compute_specs(spec, mesh)
+    checks = _step_checks(cache, T, L, dims.cp, local_window_size)
     specs = cl.specs()
     names = CACHE_FIELDS
     params = {k: place(params[k], mesh, param_specs[k]) for k in param_specs}
     args = [params, place(x_BTD, mesh, X_DECODE)] + [place(cache[n], mesh, specs[n]) for n in names]
     in_specs = (param_specs, X_DECODE) + tuple(specs[n] for n in names)
     fn = partial(_decode_shard, spec=spec.replace(local_window_size=None), dims=dims, dtype=jnp.dtype(dtype), cl=cl,
-                 checks=tuple(checks))
+                 checks=checks)
     y, written = shard_call(fn, mesh, in_specs, (X_DECODE, tuple(specs[n] for n in names[:3])), args)
     new = dict(zip(names[:3], written))
     new["cache_index"] = cache["cache_index"] + T
-    new["cache_slots"] = slots + T
-    new["cache_window"] = window
+    new["cache_slots"] = cache["cache_slots"] + T
+    new["cache_window"] = cache["cache_window"]
     return y, new
 
 

@@ -5,6 +5,9 @@ layer: prefill-then-decode must give what one causal pass gives at every positio
 Llama model's greedy decode on the 8 devices against the same weights on one device.
 """
 import dataclasses
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import jax
@@ -15,9 +18,11 @@ from flax import nnx
 import jax_cp
 from models import generate as gen_lib
 from models import llama
+from util import child_env
 
 D = 32
 TOL = 2e-5  # float32, highest matmul precision
+F64_TOL = 1e-12  # float64 (x64): float32 arithmetic anywhere on the path would be ~1e-7 off
 
 
 @pytest.fixture(autouse=True)
@@ -118,7 +123,9 @@ def test_linen_twin_decodes_as_the_nnx_module():
     (lambda m, x: (m.init_cache((2, 8)), m(x[:, :16], prefill=True)), r"seq_len=16 is longer than the cache's "
                                                                       "max_length=8"),
     (lambda m, x: (m.init_cache((2, 8)), m(x[:, :8], prefill=True), m(x[:, :1], decode=True)),
-     r"exceed its max_length=8"),
+     r"decoding 1 more token\(s\) would overfill the cache: 8 of its max_length=8 slots are already written; "
+     r"init_cache with max_length >= 12 \(the prompt and every token to decode, a multiple of "
+     r"cp_colossal\*cp_ulysses=4\)"),
     (lambda m, x: m.init_cache((2, 10)), r"max_length=10 is not divisible by cp_colossal\*cp_ulysses=4"),
     (lambda m, x: (m.init_cache((2, 16)), m(x[:, :8], prefill=True, lengths=jnp.array([0, 8]))),
      r"lengths=\[0, 8\] must lie in \[1, seq_len=8\]"),
@@ -215,6 +222,26 @@ def test_right_padding_by_segment_ids_is_not_cached():
     assert float(jnp.abs(y[:, 0] - ref[:, 9]).max()) < TOL
 
 
+def test_prefill_lengths_count_indices_whatever_positions_the_pads_carry():
+    # Pads that repeat the last real position (Gemma's, Hugging Face's right padding) are padding by
+    # index, as jax.nn's lengths: the prompt and the decode steps equal those of pads at later positions.
+    gemma, later = _layer(2, 2, 2), _layer(2, 2, 2, seed=0)
+    x = jax.random.normal(jax.random.key(8), (2, 20, D))
+    lengths = jnp.array([16, 10])
+    idx = jnp.arange(16)[None]
+    pos_gemma = jnp.minimum(idx, lengths[:, None] - 1)  # pads repeat position length - 1
+    outs = []
+    for layer, pos in ((gemma, pos_gemma), (later, jnp.broadcast_to(idx, (2, 16)))):
+        layer.init_cache((2, 24))
+        y = layer(x[:, :16], prefill=True, positions=pos, lengths=lengths)
+        outs.append((y, [layer(x[:, 16 + i:17 + i], decode=True) for i in range(3)]))
+    (y0, d0), (y1, d1) = outs
+    real = (idx < lengths[:, None])[..., None]
+    assert float(jnp.abs(jnp.where(real, y0 - y1, 0)).max()) < TOL
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(d0, d1)) < TOL
+    assert [int(i) for i in gemma.cache_index[...]] == [19, 13]  # three decoded after 16 and 10 real
+
+
 def test_decode_keeps_the_prefills_window():
     # A decode step that leaves out the prefill's per-call window still attends within it.
     m = _layer(8, 1, 1)
@@ -239,8 +266,88 @@ def test_jitted_step_past_max_length_is_an_error():
     step = nnx.jit(lambda m, x: m(x, decode=True))
     for _ in range(2):  # fill the cache: fine
         assert bool(jnp.isfinite(step(m, jnp.ones((2, 2, D)))).all())
-    with pytest.raises(Exception, match=r"decoding 2 more token\(s\) would overfill the cache: exceed its max_length=8"):
+    with pytest.raises(Exception, match=r"decoding 2 more token\(s\) would overfill the cache: 8 of its "
+                                        r"max_length=8 slots are already written; init_cache with max_length >= 12"):
         jax.block_until_ready(step(m, jnp.ones((2, 2, D))))
+
+
+OVERFILL_UNDER_JIT = """
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp
+from flax import nnx
+import jax_cp
+
+mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2)
+m = jax_cp.CPAttention(8, 32, num_kv_heads=2, mesh=mesh, is_causal=True, rngs=nnx.Rngs(0))
+m.init_cache((2, 8))
+m(jnp.ones((2, 4, 32)), prefill=True)
+step = nnx.jit(lambda m, x: m(x, decode=True))
+print("fits:", bool(jnp.isfinite(step(m, jnp.ones((2, 2, 32)))).all()))  # 6 of 8 slots
+jax.block_until_ready(step(m, jnp.ones((2, 3, 32))))  # 9 of 8: the step fails, uncaught
+"""
+
+
+def test_jitted_overfill_prints_one_message_and_exits_quietly():
+    # 8 devices each stop the step; the user reads the error once: not per device, not again at exit.
+    out = subprocess.run([sys.executable, "-c", OVERFILL_UNDER_JIT], env=child_env(), capture_output=True, text=True,
+                         timeout=300, cwd=pathlib.Path(jax_cp.__file__).parents[1])
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and "fits: True" in out.stdout, text[-3000:]
+    assert text.count("would overfill the cache") == 1, text
+    line = next(l for l in text.splitlines() if "would overfill the cache" in l)
+    assert line == ("ValueError: decoding 3 more token(s) would overfill the cache: 6 of its max_length=8 slots are "
+                    "already written; init_cache with max_length >= 12 (the prompt and every token to decode, a "
+                    "multiple of cp_colossal*cp_ulysses=4)."), line
+    assert "Exception ignored" not in text and "callback failed" not in text, text
+
+
+def _float64_nnx(mesh, kw, x, S, steps):
+    """A float64 layer's full forward over ``x``, and its prefill of ``S`` tokens then ``steps`` one-token
+    decode steps (concatenated)."""
+    m = _layer(*mesh, dtype=jnp.float64, param_dtype=jnp.float64, **kw)
+    full = m(x)
+    m.init_cache(x.shape[:2])
+    ys = [m(x[:, :S], prefill=True)] + [m(x[:, i:i + 1], decode=True) for i in range(S, S + steps)]
+    assert m.cached_key[...].dtype == jnp.float64
+    return full, jnp.concatenate(ys, axis=1)
+
+
+def _float64_linen(mesh, kw, x, S, steps):
+    """As ``_float64_nnx`` for the Linen twin in flax's x64 decode setup: float32 parameters, no dtype,
+    float64 inputs (the layer computes in float64 and keeps a float64 cache)."""
+    m = jax_cp.linen.CPAttention(num_heads=8, in_features=D, num_kv_heads=2, head_dim=8,
+                                 mesh=jax_cp.make_mesh(cp_colossal=mesh[0], cp_ulysses=mesh[1], tp=mesh[2]),
+                                 is_causal=True, rope_theta=1e4, **kw)
+    v = m.init(jax.random.key(0), jnp.zeros(x.shape, x.dtype), decode=True)
+    assert v["cache"]["cached_key"].dtype == jnp.float64
+    full = m.apply({"params": v["params"]}, x)
+    y, cache = m.apply(v, x[:, :S], prefill=True, mutable=["cache"])
+    ys = [y]
+    for i in range(S, S + steps):
+        y, cache = m.apply({"params": v["params"], **cache}, x[:, i:i + 1], decode=True, mutable=["cache"])
+        ys.append(y)
+    return full, jnp.concatenate(ys, axis=1)
+
+
+@pytest.mark.parametrize("mesh,kw,linen", [
+    ((8, 1, 1), {}, False),                                                      # all-gather
+    ((2, 2, 2), dict(kv_exchange="ring"), False),                                # ring x Ulysses x tp
+    ((2, 4, 1), {}, False),                                                      # hybrid
+    ((4, 1, 2), dict(use_sinks=True, logits_soft_cap=3.0, use_qk_norm=True), False),  # tp, sinks, soft cap
+    ((2, 4, 1), {}, True),
+    ((2, 2, 2), {}, True),
+])
+def test_float64_decode_is_computed_in_float64(mesh, kw, linen):
+    # Under x64, prefill then decode token by token equals the layer's own float64 forward at every
+    # position: the cache, the cache attention, the merge over the CP axes and the sinks stay float64.
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.key(1), (2, 32, D), jnp.float64)
+        full, y = (_float64_linen if linen else _float64_nnx)(mesh, kw, x, S=16, steps=4)
+        assert y.dtype == full.dtype == jnp.float64
+        scale = max(1.0, float(jnp.abs(full).max()))
+        err = float(jnp.abs(y - full[:, :y.shape[1]]).max())
+        assert err < F64_TOL * scale, (mesh, kw, linen, err)
 
 
 @pytest.mark.parametrize("linen", [False, True])

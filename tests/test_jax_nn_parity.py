@@ -214,10 +214,13 @@ def test_float64_is_computed_in_float64(layout, kv_exchange):
         assert_close(out, nn_out, jnp.float32, f"output against jax.nn {what}")
         for name, g, nn_g in zip(("dq", "dk", "dv"), grads_out_only, nn_grads):
             assert_close(g, nn_g, jnp.float32, f"{name} against jax.nn {what}")
-        refused = r"='(xla|splash)' computes in float32, so float64 inputs \(jax_enable_x64\) would lose precision"
-        for arg, value in (("kernel", "xla"), ("implementation", "xla"), ("kernel", "splash")):
-            with pytest.raises(ValueError, match=rf"{arg}{refused} silently; use kernel='blockwise' or 'auto'"):
-                jax_cp.dot_product_attention(q, k, v, mesh=mesh, **{arg: value})
+        for arg in ("kernel", "implementation"):  # the dense kernel's accumulators follow the inputs too
+            dense = jax_cp.dot_product_attention(q, k, v, mesh=mesh, **{arg: "xla"}, **kw)  # all-gather (not ring)
+            assert dense[0].dtype == jnp.float64, what
+            _assert_close_f64(dense[0], r_out, f"xla output {what}")
+        refused = r"='splash' computes in float32, so float64 inputs \(jax_enable_x64\) would lose precision"
+        with pytest.raises(ValueError, match=rf"kernel{refused} silently; use kernel='blockwise', 'xla' or 'auto'"):
+            jax_cp.dot_product_attention(q, k, v, mesh=mesh, kernel="splash")
 
 
 @pytest.mark.parametrize("layout, kv_exchange", [((2, 2, 2), "all_gather"), ((4, 2, 1), "ring")])

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp._masks import Window, normalize_window, visible
-from jax_cp._softmax import check_sinks, head_max
+from jax_cp._softmax import acc_dtype, check_sinks, head_max
 from jax_cp.kernels._base import REGISTRY, Kernel, register
 
 __all__ = ["Dense", "dense_attention"]
@@ -19,7 +19,8 @@ def dense_attention(
     is_causal=False, local_window_size: Window = None, scale=None, logits_soft_cap=None, sinks=None,
     return_max_logits: bool = False, return_residual: bool = False, q_span_ids=None, kv_span_ids=None,
 ):
-    """Materialises the ``[T, S]`` scores (memory quadratic in S); float32 softmax.
+    """Materialises the ``[T, S]`` scores (memory quadratic in S); float32 softmax (float64 for float64
+    inputs).
 
     Gradients by autodiff.
 
@@ -40,8 +41,8 @@ def dense_attention(
     B, T, H, d = q_BTHd.shape
     K = k_BSKd.shape[2]
     scale = d**-0.5 if scale is None else scale
-    q_BTKGd = q_BTHd.reshape(B, T, K, H // K, d)
-    s = jnp.einsum("btkgd,bskd->bkgts", q_BTKGd, k_BSKd, preferred_element_type=jnp.float32) * scale
+    q_BTKGd, acc = q_BTHd.reshape(B, T, K, H // K, d), acc_dtype(q_BTHd.dtype)
+    s = jnp.einsum("btkgd,bskd->bkgts", q_BTKGd, k_BSKd, preferred_element_type=acc) * scale
     if logits_soft_cap is not None:
         s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
     mask = visible(q_positions, kv_positions, q_segment_ids, kv_segment_ids, is_causal=is_causal,
@@ -50,13 +51,13 @@ def dense_attention(
     s = jnp.where(mask, s, -1e30)
     shift = s.max(-1, keepdims=True)
     if sinks is not None:
-        sink = check_sinks(sinks, H).astype(jnp.float32).reshape(1, K, H // K, 1, 1)
+        sink = check_sinks(sinks, H).astype(acc).reshape(1, K, H // K, 1, 1)
         shift = jnp.maximum(shift, sink)
     shift = jax.lax.stop_gradient(shift)
     p = jnp.exp(s - shift) * mask
     denom = p.sum(-1, keepdims=True) + (0.0 if sinks is None else jnp.exp(sink - shift))
     p = p / jnp.where(denom == 0, 1.0, denom)
-    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_BSKd.dtype), v_BSKd, preferred_element_type=jnp.float32)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_BSKd.dtype), v_BSKd, preferred_element_type=acc)
     o = o.reshape(B, T, H, v_BSKd.shape[-1]).astype(q_BTHd.dtype)
     rows = lambda x: jnp.moveaxis(x[..., 0] if x.ndim == 5 else x, 3, 1).reshape(B, T, H)  # [B, K, G, T(, 1)]
     extra = (head_max(rows(s.max(-1))),) if return_max_logits else ()
