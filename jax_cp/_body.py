@@ -228,14 +228,24 @@ _EAGER_PROGRAMS: dict = {}
 
 
 def _eager_program(mapped, mesh, out_specs):
-    """The jitted program of an eager call, its output shardings stated (``out_specs`` on ``mesh``):
-    under ``jax.grad`` its transpose then takes every cotangent with this mesh's sharding. Left
+    """The jitted program of an eager call, its output shardings stated (``out_specs`` on ``mesh``),
+    each output then put on its sharding once more.
+
+    Under ``jax.grad`` the program's transpose states those shardings for the cotangents. Left
     unstated, jax 0.10 reads a cotangent's sharding against the mesh named in the cotangent's type,
     and that can be an earlier call's mesh: JAX's cache of eager ops keys an uncommitted array by its
     device, not by the mesh in its type, so the eager product in a loss (``jnp.sum(f(q) * ct)``)
-    comes back typed with the mesh of the first call at those shapes (an ``IndivisibleError``)."""
+    comes back typed with the mesh of the first call at those shapes (an ``IndivisibleError``).
+    Stated, an eager ``jit`` refuses a cotangent committed to another sharding of the mesh (not
+    resharding it), and the eager ops after the call commit theirs as they choose: a gather
+    restoring the natural order, a loss's ``out ** 2`` (``P()``). The ``device_put`` after the
+    program is a no-op forward; its transpose puts each cotangent on the output's sharding, the
+    one the transposed program states.
+    """
     is_spec = lambda x: isinstance(x, P)
-    return jax.jit(mapped, out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs, is_leaf=is_spec))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs, is_leaf=is_spec)
+    program = jax.jit(mapped, out_shardings=shardings)
+    return lambda *args: jax.device_put(program(*args), shardings)
 
 
 def shard_call(fn, mesh, in_specs: tuple, out_specs, args: list):

@@ -128,7 +128,8 @@ def balanced(fn, order, *, axis: int = 1):
     Attention never sees the balanced order without its positions, and no caller sees it at all.
     A tree that carries per-document positions reorders them with it: pass those on inside ``fn``
     (``positions=`` then holds the natural positions of the reordered tokens). Works eagerly and
-    under ``jit``/``grad``.
+    under ``jit``, with ``jax.grad`` eager or jitted, on Auto and Explicit meshes (on an Explicit
+    mesh, eager calls run under ``jax.set_mesh(mesh)``, as JAX asks of any eager op there).
 
     Given a :class:`Dispatch` read on the host (not a traced one) and an ``fn`` with a
     ``kv_exchange`` parameter, ``"auto"`` (or leaving it out) becomes the plan's
