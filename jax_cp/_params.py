@@ -10,6 +10,7 @@ import math
 import jax.numpy as jnp
 
 from jax_cp._checks import check_positive_int
+from jax_cp._posenc import RoPE
 
 __all__ = ["DERIVED", "derive_dims", "init_param", "param_shapes"]
 
@@ -42,7 +43,9 @@ def derive_dims(*, num_heads, in_features=None, num_kv_heads=None, head_dim=None
             f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; "
             "grouped-query attention needs kv heads dividing the query heads."
         )
-    if rope_theta is not None and (rope_theta <= 0 or head_dim % 2):
+    if isinstance(rope_theta, RoPE) and head_dim % 2:
+        raise ValueError(f"rope_theta={rope_theta} needs an even head_dim (got {head_dim}).")
+    if rope_theta is not None and not isinstance(rope_theta, RoPE) and (rope_theta <= 0 or head_dim % 2):
         raise ValueError(f"rope_theta={rope_theta} needs rope_theta > 0 and an even head_dim (got {head_dim}).")
     return dict(head_dim=head_dim, num_kv_heads=num_kv_heads, v_head_dim=v_head_dim,
                 out_features=in_features if out_features is None else out_features)

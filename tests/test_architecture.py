@@ -80,6 +80,7 @@ FLOORS = (
     ("per-shard steps", ("exchanges", "_projection", "load_balance", "_dispatch")),
     ("the rule", ("_defaults", "_spec")),
     ("entry points", ("_body", "_layer", "_attention", "_decode", "reference")),
+    ("linear", ("linear",)),
     ("flax faces", ("_module", "linen", "__init__")),
     ("the planner", ("plan",)),
 )

@@ -1,0 +1,150 @@
+"""State passing: each rank folds its chunks into state maps, one all-gather over ``cp_colossal``
+hands every run the state of its predecessors in document order, and each rank adds what that
+state contributes.
+
+Per rank (inside ``shard_map``), for the chunk parts of :mod:`jax_cp.linear._chunk`:
+
+1. a scan over the local chunks carries the state a run would have if every ``CUT`` run started
+   from zero (``S``), and the map ``Phi`` from the state the current ``CUT`` run received to now;
+2. each exported slot's ``(Phi, S)`` at its tail token is all-gathered (the only collective);
+3. meanwhile, the outputs that need no incoming state are computed (the chunk's own ``o_intra``);
+4. every rank composes the gathered maps in document order (a scan over the slots, sorted by
+   segment id and position, restarting where a slot does not continue the one before it), so each
+   ``CUT`` slot learns its incoming state ``X``, and the row's final state is read off its slot;
+5. each chunk's open run starts from ``S + X Phi`` (``X`` the state its ``CUT`` slot received),
+   and the tokens of a ``CUT`` run inside a chunk add ``q_eff X^T``.
+
+Maps act on states from the right: ``X A`` (a matrix ``[k, k]``, or ``[1, 1]``: a scalar).
+Letters: B batch, H heads, N chunks, C chunk length, L = N*C, P slots per rank, k key dim,
+v value dim.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jax_cp._vma import vary_as
+from jax_cp.linear._chunk import Intra, maps_at, select
+from jax_cp.linear._topology import CONT, CUT, START, Topology
+
+__all__ = ["pass_states"]
+
+
+def _apply(X, A):
+    """``X A``: a matrix product, or a scalar map (``A [.., 1, 1]``)."""
+    return X * A if A.shape[-2:] == (1, 1) else X @ A
+
+
+def _where(flag_B, a, b):
+    """``a`` where ``flag [B]`` (or ``[B, M]``) else ``b``, over trailing axes ``[B, H, (M,) ...]``."""
+    f = flag_B.reshape(flag_B.shape[:1] + (1,) + flag_B.shape[1:] + (1,) * (jnp.ndim(a) - flag_B.ndim - 1))
+    return jnp.where(f, a, b)
+
+
+def _local_scan(intra: Intra, kind_BNC, x0, eye):
+    """The states entering every chunk, ``(S_in, Phi_in)`` ``[B, H, N, ...]``: ``CUT`` runs from zero."""
+    B, H, N, C, _ = intra.q_eff.shape
+    a_end, b_end = maps_at(intra, jnp.full((B, N), C - 1, jnp.int32))
+    head_last = intra.runs.head[..., C - 1]
+    kind_last = jnp.take_along_axis(kind_BNC, head_last[..., None], axis=-1)[..., 0]
+    xs = (kind_BNC[..., 0], kind_last, head_last == 0, a_end, b_end)
+    xs = tuple(jnp.moveaxis(a, 2 if a.ndim > 2 else 1, 0) for a in xs)
+
+    def body(carry, x):
+        S, Phi = carry
+        kind0, kind_last, last_first, a, b = x
+        S_in = _where(kind0 == CONT, S, _where(kind0 == START, x0, 0.0))
+        Phi_in = _where(kind0 == CONT, Phi, _where(kind0 == CUT, eye, 0.0))
+        S_last = _where(last_first, S_in, _where(kind_last == START, x0, 0.0))
+        Phi_last = _where(last_first, Phi_in, _where(kind_last == CUT, eye, 0.0))
+        return (_apply(S_last, a) + b, _apply(Phi_last, a)), (S_in, Phi_in)
+
+    zero_phi = jnp.zeros((B, H) + a_end.shape[-2:], jnp.float32)
+    eye = jnp.broadcast_to(eye, zero_phi.shape)
+    init = tuple(vary_as(x, b_end, x0) for x in (jnp.zeros_like(b_end[:, :, 0]), zero_phi))
+    _, (S_in, Phi_in) = lax.scan(body, init, xs)
+    return jnp.moveaxis(S_in, 0, 2), jnp.moveaxis(Phi_in, 0, 2)
+
+
+def _tails(intra: Intra, kind_BNC, S_in, Phi_in, topo: Topology, x0, eye):
+    """Each exported slot's ``(Phi, S)`` after its tail token, ``[B, H, P, ...]`` (zero if unused)."""
+    C = intra.q_eff.shape[3]
+    chunk, tau = topo.tail_tok // C, topo.tail_tok % C
+    a, b = maps_at(select(intra, chunk), tau)
+    take = lambda x: jnp.take_along_axis(x, chunk[:, None, :, None, None], axis=2)  # noqa: E731
+    rows = jnp.take_along_axis(intra.runs.head, chunk[..., None], axis=1)  # [B, P, C]
+    head = jnp.take_along_axis(rows, tau[..., None], axis=-1)[..., 0]  # [B, P]
+    kind = jnp.take_along_axis(kind_BNC.reshape(kind_BNC.shape[0], -1), chunk * C + head, axis=1)
+    S0 = _where(head == 0, take(S_in), _where(kind == START, x0[:, :, None], 0.0))
+    Phi0 = _where(head == 0, take(Phi_in), _where(kind == CUT, jnp.broadcast_to(eye, a.shape), 0.0))
+    ok = topo.tail_ok
+    return _where(ok, _apply(Phi0, a), 0.0), _where(ok, _apply(S0, a) + b, 0.0)
+
+
+def _chain(phi_all, s_all, topo: Topology):
+    """The state after every global slot ``[B, H, c*P, v, k]``: the gathered maps composed in document order."""
+    order = topo.order[:, None, :, None, None]
+    a, b = (jnp.moveaxis(jnp.take_along_axis(x, order, axis=2), 2, 0) for x in (phi_all, s_all))
+
+    def body(prev, x):
+        linked, a, b = x
+        S = _apply(_where(linked, prev, 0.0), a) + b
+        return S, S
+
+    _, S = lax.scan(body, vary_as(jnp.zeros_like(b[0]), a, b), (jnp.moveaxis(topo.linked, 1, 0), a, b))
+    inverse = jnp.argsort(topo.order, axis=-1)[:, None, :, None, None]
+    return jnp.take_along_axis(jnp.moveaxis(S, 0, 2), inverse, axis=2)
+
+
+def _received(S_all, topo: Topology):
+    """``X [B, H, P + 1, v, k]``: the state each local ``CUT`` slot receives; row ``P`` is zero."""
+    feed = topo.cut_feed
+    X = jnp.take_along_axis(S_all, jnp.maximum(feed, 0)[:, None, :, None, None], axis=2)
+    X = _where(feed >= 0, X, 0.0)
+    return jnp.concatenate([X, jnp.zeros_like(X[:, :, :1])], axis=2)
+
+
+def _mid_cuts(intra: Intra, kind_of_head, gov_BNC, X, topo: Topology):
+    """``q_eff X^T`` for the tokens of ``CUT`` runs that start inside a chunk, ``[B, H, N, C, v]``."""
+    B, H, N, C, _ = intra.q_eff.shape
+    P = topo.cut_tok.shape[1]
+    chunk = topo.cut_tok // C  # [B, P]
+    q = jnp.take_along_axis(intra.q_eff, chunk[:, None, :, None, None], axis=2)  # [B, H, P, C, k]
+    mine = (jnp.take_along_axis(gov_BNC, chunk[..., None], axis=1) == jnp.arange(P)[None, :, None]) & (
+        jnp.take_along_axis((intra.runs.run > 0) & (kind_of_head == CUT), chunk[..., None], axis=1))
+    corr = jnp.einsum("bhpck,bhpvk->bhpcv", q * mine[:, None, ..., None], X[:, :, :P])
+    return jnp.einsum("bpn,bhpcv->bhncv", (chunk[..., None] == jnp.arange(N)[None, None]).astype(corr.dtype), corr)
+
+
+def pass_states(intra: Intra, topo: Topology, x0, axis):
+    """Outputs ``[B, H, N, C, v]`` and the row's final state ``[B, H, v, k]`` of one rank's chunks.
+
+    Args:
+        intra: the chunk parts (:func:`jax_cp.linear._chunk.gdn_intra` or ``ssd_intra``).
+        topo: this rank's :class:`Topology`.
+        x0: ``[B, H, v, k]`` the state every document starts from (zeros for none).
+        axis: the ``cp_colossal`` axis name, or ``None`` on one device.
+
+    Returns:
+        ``(o, final)``: NaN in rows whose layout needs more slots than the topology has.
+    """
+    B, H, N, C, _ = intra.q_eff.shape
+    kind = topo.kind.reshape(B, N, C)
+    eye = jnp.eye(intra.w_k.shape[-1] if intra.w_k is not None else 1, dtype=jnp.float32)
+    S_in, Phi_in = _local_scan(intra, kind, x0, eye)
+    phi_t, s_t = _tails(intra, kind, S_in, Phi_in, topo, x0, eye)
+    if axis is not None:  # the one exchange: every rank's exported maps
+        phi_t, s_t = lax.all_gather((phi_t, s_t), axis, axis=2, tiled=True)
+    m0 = (intra.runs.run == 0)[:, None, ..., None]
+    kind_of_head = jnp.take_along_axis(kind, intra.runs.head, axis=-1)
+    start_mid = ((intra.runs.run > 0) & (kind_of_head == START))[:, None, ..., None]
+    o = intra.o_intra + jnp.einsum("bhnck,bhvk->bhncv", intra.q_eff * start_mid, x0)  # needs no incoming state
+    S_all = _chain(phi_t, s_t, topo)
+    X = _received(S_all, topo)
+    gov = topo.gov.reshape(B, N, C)
+    X0 = jnp.take_along_axis(X, gov[..., 0][:, None, :, None, None], axis=2)  # [B, H, N, v, k]
+    S_true = S_in + _apply(X0, Phi_in)  # the state each chunk's open run really starts from
+    o = o + jnp.einsum("bhnck,bhnvk->bhncv", intra.q_eff * m0, S_true) + _mid_cuts(intra, kind_of_head, gov, X, topo)
+    final = jnp.take_along_axis(S_all, jnp.maximum(topo.final, 0)[:, None, None, None, None], axis=2)[:, :, 0]
+    final = _where(topo.final >= 0, final, 0.0)
+    return _where(topo.ok, o, jnp.nan), _where(topo.ok, final, jnp.nan)

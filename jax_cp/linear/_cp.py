@@ -1,0 +1,136 @@
+"""The mesh plumbing the linear layers share: checks, placement, the Ulysses exchange, chunking and
+the state passing of one rank, and the single place that enters ``jax.shard_map``.
+
+Per device: inputs ``[B, S/(c*u), H/t, *]`` cross ``cp_ulysses`` to ``[B, S/c, H/(t*u), *]`` (one
+all-to-all), are cut into chunks, run through the chunk kernel and the state passing over
+``cp_colossal`` (:func:`jax_cp.linear._chains.pass_states`), and go back. Positions and segment ids
+are replicated ``[B, S]`` ints (as attention's metadata) so every rank knows the row's document order.
+Letters: B batch, S sequence, L tokens per colossal rank, H heads, N chunks, C chunk length, P slots.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jax_cp._mesh import COLOSSAL, CP, DP, TP, ULYSSES, mesh_dims, place
+from jax_cp._ulysses import heads_to_seq, seq_to_heads
+from jax_cp._vma import vary_as
+from jax_cp.linear._args import check_metadata
+from jax_cp.linear._chains import pass_states
+from jax_cp.linear._chunk import runs
+from jax_cp.linear._topology import CONT, topology
+
+__all__ = ["DEFAULT_PIECES", "HEADS", "META", "STATE", "Layout", "layout", "placed_meta", "run", "shard_state"]
+
+DEFAULT_PIECES = 16
+META = P(DP, None)  # [B, S] positions / segment ids, whole rows on every device
+HEADS = P(DP, CP, TP, None)  # [B, S, H, d]
+STATE = P(DP, (TP, ULYSSES), None, None)  # [B, H, v, k] after the Ulysses exchange
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Static sizes of one call: the mesh (or ``None``), ``c``, ``u``, ``t``, tokens per colossal rank
+    ``L``, the chunk length and the slots per rank."""
+
+    mesh: object
+    c: int
+    u: int
+    t: int
+    L: int
+    chunk: int
+    pieces: int
+
+    @property
+    def axis(self):
+        return COLOSSAL if self.mesh is not None and self.c > 1 else None
+
+
+def layout(mesh, batch: int, seq_len: int, heads: int, chunk_size: int, max_pieces, head_what="heads",
+           heads_over_ulysses: bool = True) -> Layout:
+    """The call's :class:`Layout`, checking that the mesh divides batch, sequence and heads (or channels:
+    ``head_what``, split over ``tp`` and, with ``heads_over_ulysses``, ``cp_ulysses``)."""
+    c = u = t = dp = 1
+    if mesh is not None:
+        dims = mesh_dims(mesh)
+        c, u, t, dp = dims.c, dims.u, dims.t, dims.dp
+    if batch % dp:
+        raise ValueError(f"batch={batch} is not divisible by dp={dp}; use a batch that is a multiple of dp.")
+    if seq_len % (c * u):
+        raise ValueError(f"seq_len={seq_len} is not divisible by cp_colossal*cp_ulysses={c * u}; pad the sequence.")
+    split, name = (t * u, f"tp*cp_ulysses={t}*{u}") if heads_over_ulysses else (t, "tp")
+    if heads % split:
+        raise ValueError(f"{head_what}={heads} is not divisible by {name}={split}: each device holds whole "
+                         f"{head_what}; choose a mesh whose {name.split('=')[0]} divides {heads}.")
+    L = seq_len // c
+    if max_pieces is not None and (not isinstance(max_pieces, int) or isinstance(max_pieces, bool) or max_pieces < 1):
+        raise ValueError(f"max_pieces={max_pieces!r} must be a positive integer (or None: min(S/c, "
+                         f"{DEFAULT_PIECES})).")
+    pieces = min(L, DEFAULT_PIECES) if max_pieces is None else max_pieces
+    return Layout(mesh, c, u, t, L, min(chunk_size, L), pieces)
+
+
+def placed_meta(positions, segment_ids, batch: int, seq_len: int, mesh):
+    """``[B, S]`` int32 positions (``arange``) and segment ids (zeros), replicated along the sequence."""
+    pos = check_metadata("positions", positions, batch, seq_len)
+    seg = check_metadata("segment_ids", segment_ids, batch, seq_len)
+    pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len)) if pos is None else pos
+    seg = jnp.zeros((batch, seq_len), jnp.int32) if seg is None else seg
+    return (pos, seg) if mesh is None else tuple(place(a, mesh, META) for a in (pos, seg))
+
+
+def run(body, lay: Layout, args: tuple, in_specs: tuple, out_specs):
+    """``body(*args)`` on one device, or inside ``jax.shard_map`` over ``lay.mesh``."""
+    if lay.mesh is None:
+        return body(*args)
+    args = tuple(a if s is None else place(a, lay.mesh, s) for a, s in zip(args, in_specs))
+    return jax.shard_map(body, mesh=lay.mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+
+
+def to_heads(lay: Layout, parts):
+    """``[B, S/(c*u), H, *]`` parts -> ``[B, S/c, H/u, *]`` (one all-to-all over ``cp_ulysses``)."""
+    return tuple(parts) if lay.mesh is None or lay.u == 1 else seq_to_heads(tuple(parts), ULYSSES)
+
+
+def to_seq(lay: Layout, o):
+    """The inverse: ``[B, S/c, H/u, d] -> [B, S/(c*u), H, d]``."""
+    return o if lay.mesh is None or lay.u == 1 else heads_to_seq(o, ULYSSES)
+
+
+def chunked(a_BLHd, C: int):
+    """``[B, L, H, d]`` -> ``[B, H, N, C, d]``, zero-padded to whole chunks (zero gates and writes:
+    padding leaves the state as it is)."""
+    B, L, H, d = a_BLHd.shape
+    N = -(-L // C)
+    a = jnp.pad(a_BLHd.astype(jnp.float32), ((0, 0), (0, N * C - L), (0, 0), (0, 0)))
+    return jnp.moveaxis(a.reshape(B, N, C, H, d), 3, 1)
+
+
+def unchunked(o_BHNCv, L: int):
+    """``[B, H, N, C, v]`` -> ``[B, L, H, v]``."""
+    B, H, N, C, v = o_BHNCv.shape
+    return jnp.moveaxis(o_BHNCv, 1, 3).reshape(B, N * C, H, v)[:, :L]
+
+
+def _rank(lay: Layout):
+    return lax.axis_index(COLOSSAL) if lay.mesh is not None else 0
+
+
+def shard_state(lay: Layout, intra_fn, pos_BS, seg_BS, x0, ref):
+    """One rank's outputs ``[B, H, N, C, v]`` and final state: the topology of the whole row, the
+    chunk parts ``intra_fn(runs)`` and the state passing. ``ref``: an input whose vma the states take."""
+    topo = topology(pos_BS, seg_BS, _rank(lay), lay.c, lay.pieces)
+    C = lay.chunk
+    N = -(-lay.L // C)
+    kind = jnp.pad(topo.kind, ((0, 0), (0, N * C - lay.L)), constant_values=CONT)
+    topo = dataclasses.replace(topo, kind=kind, gov=jnp.pad(topo.gov, ((0, 0), (0, N * C - lay.L)), mode="edge"))
+    intra = intra_fn(runs(kind.reshape(kind.shape[0], N, C) != CONT))
+    x0 = vary_as(x0, ref)
+    o, final = pass_states(intra, topo, x0, lay.axis)
+    if lay.mesh is not None:  # every rank composed the same final state: keep rank 0's, typed as replicated
+        final = lax.psum(jnp.where(_rank(lay) == 0, final, 0.0), COLOSSAL)
+    return o, final
