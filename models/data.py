@@ -1,7 +1,8 @@
 """Byte-level text data, packed into fixed windows, loaded per process.
 
 Documents (files) become bytes followed by an end-of-document token ``EOD``,
-concatenated into one token stream. A window of ``S`` tokens carries, besides
+concatenated into one token stream (or, with a ``tokenizers.Tokenizer``, its token ids
+followed by the checkpoint's end-of-sequence id: ``load_corpus(..., tokenizer=, eod=)``). A window of ``S`` tokens carries, besides
 the tokens and next-token labels, the ``segment_ids`` of its documents, each
 token's ``positions`` within its document piece (restarting at the window start
 and at each document), and ``weights`` (0 where the label starts another
@@ -60,48 +61,56 @@ def _files(path: str | os.PathLike | None) -> list[Path]:
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    """Token streams (uint16) of the training and held-out documents."""
+    """Token streams (uint16; uint32 for a tokenizer's ids) of the training and held-out documents, and the
+    end-of-document token ending each document."""
 
     train: np.ndarray
     eval: np.ndarray
     num_docs: int
+    eod: int = EOD
 
 
-def _stream(docs: list[bytes]) -> np.ndarray:
+def _stream(docs: list[bytes], tokenizer=None, eod: int = EOD) -> np.ndarray:
+    dtype = np.uint16 if tokenizer is None else np.uint32
     parts = []
     for doc in docs:
-        parts.append(np.frombuffer(doc, np.uint8).astype(np.uint16))
-        parts.append(np.array([EOD], np.uint16))
-    return np.concatenate(parts) if parts else np.zeros((0,), np.uint16)
+        ids = (np.frombuffer(doc, np.uint8) if tokenizer is None
+               else tokenizer.encode(doc.decode("utf-8", errors="replace")).ids)
+        parts.append(np.asarray(ids).astype(dtype))
+        parts.append(np.array([eod], dtype))
+    return np.concatenate(parts) if parts else np.zeros((0,), dtype)
 
 
-def load_corpus(path: str | os.PathLike | None, *, eval_every: int = 20) -> Corpus:
+def load_corpus(path: str | os.PathLike | None, *, eval_every: int = 20, tokenizer=None, eod: int = EOD) -> Corpus:
     """Reads every file under ``path`` (or the stdlib); every ``eval_every``-th document is held out.
 
-    With a single document, its last tenth is held out instead.
+    With a single document, its last tenth is held out instead. ``tokenizer`` (a ``tokenizers.Tokenizer``)
+    turns each document's text into token ids, and ``eod`` ends every document (the checkpoint's
+    end-of-sequence id); without one, tokens are bytes and ``EOD``.
     """
     docs = [f.read_bytes() for f in _files(path)]
     docs = [d for d in docs if d]
     if not docs:
         raise ValueError(f"--data {path}: no text found (all files are empty).")
     if len(docs) == 1:
-        stream = _stream(docs)
+        stream = _stream(docs, tokenizer, eod)
         cut = int(len(stream) * 0.9)
-        return Corpus(stream[:cut], stream[cut:], 1)
+        return Corpus(stream[:cut], stream[cut:], 1, eod)
     if len(docs) < eval_every:
         kept, held = docs[:-1], docs[-1:]
     else:
         kept = [d for i, d in enumerate(docs) if i % eval_every != eval_every - 1]
         held = [d for i, d in enumerate(docs) if i % eval_every == eval_every - 1]
-    return Corpus(_stream(kept), _stream(held), len(docs))
+    return Corpus(_stream(kept, tokenizer, eod), _stream(held, tokenizer, eod), len(docs), eod)
 
 
-def pack(stream: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
-    """Windows ``stream[start : start + S + 1]`` -> ``[len(starts), S]`` arrays of :data:`FIELDS`."""
+def pack(stream: np.ndarray, starts: np.ndarray, seq_len: int, eod: int = EOD) -> dict[str, np.ndarray]:
+    """Windows ``stream[start : start + S + 1]`` -> ``[len(starts), S]`` arrays of :data:`FIELDS` (``eod``
+    ends a document)."""
     idx_BS = starts[:, None] + np.arange(seq_len + 1)[None, :]
     chunk = stream[idx_BS].astype(np.int32)
     tokens, labels = chunk[:, :-1], chunk[:, 1:]
-    is_eod = tokens == EOD
+    is_eod = tokens == eod
     # A token starts a new document when the previous token ended one.
     new_doc = np.concatenate([np.ones_like(is_eod[:, :1]), is_eod[:, :-1]], axis=1)
     segment_ids = np.cumsum(new_doc, axis=1).astype(np.int32)
@@ -134,11 +143,12 @@ def prefix_lm(fields: dict[str, np.ndarray], fraction: float) -> dict[str, np.nd
 class Windows:
     """Deterministic windows of a stream: sample ``g`` -> a start offset.
 
-    Non-overlapping windows in a fresh permutation per epoch, seeded by ``(seed, epoch)``.
+    Non-overlapping windows in a fresh permutation per epoch, seeded by ``(seed, epoch)``; ``eod`` ends
+    a document (``Corpus.eod``).
     """
 
-    def __init__(self, stream: np.ndarray, seq_len: int, seed: int):
-        self.stream, self.seq_len, self.seed = stream, seq_len, seed
+    def __init__(self, stream: np.ndarray, seq_len: int, seed: int, eod: int = EOD):
+        self.stream, self.seq_len, self.seed, self.eod = stream, seq_len, seed, eod
         self.num_windows = (len(stream) - 1) // seq_len
         self._perms: dict[int, np.ndarray] = {}
         if self.num_windows < 1:
@@ -157,7 +167,7 @@ class Windows:
 
     def rows(self, step: int, batch: int, rows: np.ndarray) -> dict[str, np.ndarray]:
         """Rows ``rows`` of the global batch of ``step``."""
-        return pack(self.stream, self.starts(step * batch + np.asarray(rows)), self.seq_len)
+        return pack(self.stream, self.starts(step * batch + np.asarray(rows)), self.seq_len, self.eod)
 
 
 def _process_indices(sharding, global_shape) -> tuple[np.ndarray, ...]:

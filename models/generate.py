@@ -3,8 +3,10 @@
 The prompt is prefilled with context parallelism (every attention layer runs its CP path and writes
 its KV cache, sharded along the sequence over ``cp_colossal x cp_ulysses`` and by kv heads over
 ``tp``); then each new token is one decode step that attends every device's cache shard and merges
-the partial results (``jax_cp._decode``). Greedy (``--temperature 0``) or temperature / top-k
-sampling; the text streams as it is generated, then prefill and per-token times are reported.
+the partial results (``jax_cp._decode``). A hybrid model's gated DeltaNet layers (``models.hybrid``)
+keep their recurrent state instead, split over ``tp`` by heads, and advance it one token a step.
+Greedy (``--temperature 0``) or temperature / top-k sampling; the text streams as it is generated,
+then prefill and per-token times are reported.
 ``--plan TOPOLOGY`` instead compiles one decode step of ``--model`` for a TPU topology ahead of
 time at ``--cache-len`` and reports per-chip cache memory and the decode collectives.
 """
@@ -26,7 +28,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_cp
 from models import data as data_lib
-from models.llama import Llama, Sharding, get_config
+from models.hybrid import get_config, model_class
+from models.llama import Sharding
 
 __all__ = ["GenerateConfig", "Generator", "load_model", "main", "sample_logits", "serving_params"]
 
@@ -73,7 +76,8 @@ class GenerateConfig:
 def _parser() -> argparse.ArgumentParser:
     d = GenerateConfig(plan="defaults")
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", help="a models.train --out folder (or its checkpoints/ folder)")
+    p.add_argument("--checkpoint", help="a models.train --out folder (or its checkpoints/ folder), or a Hugging "
+                                        "Face checkpoint folder (config.json, safetensors, tokenizer.json: models.hf)")
     p.add_argument("--prompt", default=d.prompt)
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--temperature", type=float, default=d.temperature, help="0: greedy (default)")
@@ -89,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
         g.add_argument(f"--{name.replace('_', '-')}", type=int, default=1)
     g = p.add_argument_group("planning (no checkpoint: shapes only)")
     g.add_argument("--plan", metavar="TOPOLOGY", help="compile one decode step for a TPU topology, e.g. v5p:4x4x4")
-    g.add_argument("--model", default=d.model, help="the model to plan (models.llama.CONFIGS)")
+    g.add_argument("--model", default=d.model, help="the model to plan (models.llama.CONFIGS, models.hybrid.CONFIGS)")
     g.add_argument("--cache-len", type=int, default=d.cache_len, help="the planned cache length")
     g.add_argument("--dtype", default=d.dtype)
     return p
@@ -113,9 +117,21 @@ def checkpoint_dir(path: str) -> Path:
 
 
 def load_model(path: str, mesh):
-    """The model of the latest checkpoint under ``path``, restored onto ``mesh``; and the checkpoint's meta."""
+    """The model of the latest checkpoint under ``path``, restored onto ``mesh``; and the checkpoint's meta.
+
+    A Hugging Face checkpoint folder (``config.json``) loads through ``models.hf`` (bfloat16 compute); its
+    meta carries its ``tokenizer`` (``tokenizer.json``, else bytes) and end-of-sequence id ``eod``.
+    """
     from models import train
 
+    if (Path(path) / "config.json").is_file():
+        from models import hf
+
+        model, config = hf.load(path, mesh, dtype=jnp.bfloat16)
+        tokenizer = hf.load_tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
+        eos = hf.eos_token_id(config)
+        return model, {"model": Path(path).name, "step": "final", "tokenizer": tokenizer,
+                       "eod": data_lib.EOD if eos is None else eos}
     with ocp.CheckpointManager(checkpoint_dir(path), item_names=("state", "meta")) as mngr:
         step = mngr.latest_step()
         meta = dict(mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
@@ -224,12 +240,21 @@ class Generator:
         return tok
 
 
-def generate(cfg: GenerateConfig, model, out=None) -> dict:
-    """Prefills the prompt, decodes up to ``max_new_tokens`` (streaming the first sequence to ``out``)."""
+def _piece(tokens: list[int], decoder, tokenizer) -> str:
+    """The text the last of ``tokens`` adds: its UTF-8 byte, or what it adds to a tokenizer's decoding."""
+    if tokenizer is None:
+        return decoder.decode(bytes([tokens[-1]])) if tokens[-1] < 256 else ""
+    return tokenizer.decode(tokens)[len(tokenizer.decode(tokens[:-1])):]
+
+
+def generate(cfg: GenerateConfig, model, out=None, tokenizer=None, eod: int = data_lib.EOD) -> dict:
+    """Prefills the prompt, decodes up to ``max_new_tokens`` (streaming the first sequence to ``out``); text
+    is bytes, or ``tokenizer``'s (a ``tokenizers.Tokenizer``) with its end-of-sequence id ``eod``."""
     out = out or sys.stdout
     dims = jax_cp.mesh_dims(model.mesh)
     batch = cfg.batch or dims.dp
-    prompt = np.frombuffer(cfg.prompt.encode(), np.uint8).astype(np.int32)
+    prompt = (np.asarray(tokenizer.encode(cfg.prompt).ids, np.int32) if tokenizer is not None
+              else np.frombuffer(cfg.prompt.encode(), np.uint8).astype(np.int32))
     need = _round_up(_round_up(len(prompt), dims.cp) + cfg.max_new_tokens, dims.cp)
     max_length = cfg.max_length or need
     if max_length < need:
@@ -247,9 +272,9 @@ def generate(cfg: GenerateConfig, model, out=None) -> dict:
     for _ in range(cfg.max_new_tokens):
         first = int(tok[0])
         tokens.append(first)
-        if cfg.stop_at_eod and first == data_lib.EOD:
+        if cfg.stop_at_eod and first == eod:
             break
-        out.write(decoder.decode(bytes([first])) if first < 256 else "")
+        out.write(_piece(tokens, decoder, tokenizer))
         out.flush()
         if len(tokens) == cfg.max_new_tokens:
             break
@@ -272,7 +297,8 @@ def plan_decode(cfg: GenerateConfig):
                               axis_types=AxisType.Auto)
     batch = cfg.batch or jax_cp.mesh_dims(mesh).dp
     def build():  # shapes only: nothing is allocated
-        model = Llama(get_config(cfg.model), mesh=mesh, dtype=jnp.dtype(cfg.dtype), rngs=nnx.Rngs(0))
+        config = get_config(cfg.model)
+        model = model_class(config)(config, mesh=mesh, dtype=jnp.dtype(cfg.dtype), rngs=nnx.Rngs(0))
         model.init_cache(batch, cfg.cache_len)
         return model
 
@@ -315,7 +341,7 @@ def main(argv=None) -> None:
             jax.config.update("jax_num_cpu_devices", cfg.devices)
         mesh = jax_cp.make_mesh(cp_colossal=cfg.cp_colossal, cp_ulysses=cfg.cp_ulysses, tp=cfg.tp)
         model, meta = load_model(cfg.checkpoint, mesh)
-        r = generate(cfg, model)
+        r = generate(cfg, model, tokenizer=meta.get("tokenizer"), eod=meta.get("eod", data_lib.EOD))
     except ValueError as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         raise SystemExit(2) from None

@@ -2,7 +2,10 @@
 
 Token embedding -> L x [RMSNorm -> causal GQA attention (RoPE from global
 positions, optional QK-norm) -> residual -> RMSNorm -> SwiGLU MLP -> residual]
--> RMSNorm -> tied or untied vocabulary head. Parameters are float32 and
+-> RMSNorm -> tied or untied vocabulary head. Optional, for public checkpoints
+(``models.hf``): scaled RoPE (``jax_cp.RoPE``), a scaled embedding, ``1 + w`` norms,
+post-attention and post-MLP norms, a GELU MLP, sliding-window layers with their
+own RoPE, and a final logit soft cap (Gemma 3). Parameters are float32 and
 sharded over ``tp`` (heads, MLP columns/rows, vocabulary), optionally FSDP over
 ``dp`` (and the CP axes: ``fsdp_axes``); the matmuls run in ``dtype`` (bfloat16 by default).
 Letters: B batch, S sequence, D model width, F MLP width, V vocabulary.
@@ -10,6 +13,7 @@ Letters: B batch, S sequence, D model width, F MLP width, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -39,27 +43,61 @@ class LlamaConfig:
     num_kv_heads: int
     head_dim: int
     d_ff: int
-    rope_theta: float = 500_000.0
+    rope_theta: float | jax_cp.RoPE = 500_000.0  # a jax_cp.RoPE: scaled frequencies (Llama 3.1, Gemma 3)
     use_qk_norm: bool = False
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     logits_soft_cap: float | None = None  # attention logits -> c * tanh(logits / c) (Gemma 2)
     use_sinks: bool = False  # a learned sink logit per query head in every attention softmax (GPT-OSS)
+    norm_offset: float = 0.0  # every RMSNorm scales by offset + w (Gemma: 1, its weights start at 0)
+    embed_scale: float | None = None  # the embedding rows are multiplied by it (Gemma: sqrt(d_model))
+    mlp_activation: str = "silu"  # of the gate: one of ACTIVATIONS ("gelu_tanh": Gemma)
+    post_norms: bool = False  # RMSNorm of the attention and MLP outputs before their residual adds (Gemma 2/3)
+    sliding_window: int | None = None  # W: a sliding layer's query sees the keys with p_q - p_k < W
+    sliding_layers: tuple[bool, ...] | None = None  # which layers slide (None: all, where sliding_window is set)
+    sliding_rope_theta: float | jax_cp.RoPE | None = None  # the sliding layers' RoPE (None: rope_theta)
+    final_logits_soft_cap: float | None = None  # vocabulary logits -> c * tanh(logits / c) (Gemma 2)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "d_ff"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer.")
-        self.attention  # noqa: B018  (validates the attention shapes with the library's own messages)
+        if self.mlp_activation not in ACTIVATIONS:
+            raise ValueError(f"mlp_activation={self.mlp_activation!r} must be one of {sorted(ACTIVATIONS)}.")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window={self.sliding_window!r} must be a positive integer (or None).")
+        if self.sliding_layers is not None:
+            object.__setattr__(self, "sliding_layers", tuple(bool(b) for b in self.sliding_layers))
+            if len(self.sliding_layers) != self.num_layers or self.sliding_window is None:
+                raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for num_layers="
+                                 f"{self.num_layers} with sliding_window={self.sliding_window}; give one per layer, "
+                                 "and a sliding_window.")
+        for i in range(self.num_layers if self.sliding_window is not None else 1):
+            self.layer_attention(i)  # validates the attention shapes with the library's own messages
 
     @property
     def attention(self) -> jax_cp.AttentionSpec:
-        """One layer's attention as ``jax_cp.CPAttention`` builds it (causal, RoPE)."""
+        """A global layer's attention as ``jax_cp.CPAttention`` builds it (causal, RoPE)."""
         return jax_cp.AttentionSpec(num_heads=self.num_heads, in_features=self.d_model,
                                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, is_causal=True,
                                     use_qk_norm=self.use_qk_norm, rope_theta=self.rope_theta,
                                     logits_soft_cap=self.logits_soft_cap, use_sinks=self.use_sinks)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer ``layer`` (from 0) attends within ``sliding_window``."""
+        return self.sliding_window is not None and (self.sliding_layers is None or self.sliding_layers[layer])
+
+    def layer_attention(self, layer: int) -> jax_cp.AttentionSpec:
+        """Layer ``layer``'s attention: a sliding layer has its window and ``sliding_rope_theta``."""
+        if not self.is_sliding(layer):
+            return self.attention
+        theta = self.rope_theta if self.sliding_rope_theta is None else self.sliding_rope_theta
+        return self.attention.replace(rope_theta=theta, local_window_size=(self.sliding_window - 1, 0))
+
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
 CONFIGS = {
@@ -84,7 +122,7 @@ def param_count(cfg: LlamaConfig) -> int:
     """Number of parameters, from the shapes alone."""
     D, H, K, d = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = D * (H + 2 * K) * d + H * d * D + (2 * d if cfg.use_qk_norm else 0)
-    block = attn + 3 * D * cfg.d_ff + 2 * D
+    block = attn + 3 * D * cfg.d_ff + (4 if cfg.post_norms else 2) * D
     head = 0 if cfg.tie_embeddings else D * cfg.vocab_size
     return cfg.vocab_size * D + cfg.num_layers * block + D + head
 
@@ -166,12 +204,15 @@ def attention_sharding(spec: jax_cp.AttentionSpec, mesh, sharding: Sharding) -> 
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, mesh, sharding: Sharding):
-        self.eps = eps
-        self.scale = _param(mesh, sharding, jnp.ones((dim,), jnp.float32), P(None))
+    """``jax_cp.rms_norm`` scaled by ``offset + scale`` (``offset`` 1 and ``scale`` starting at 0: Gemma's)."""
+
+    def __init__(self, dim: int, *, eps: float, mesh, sharding: Sharding, offset: float = 0.0):
+        self.eps, self.offset = eps, offset
+        self.scale = _param(mesh, sharding, jnp.full((dim,), 1.0 - offset, jnp.float32), P(None))
 
     def __call__(self, x):
-        return jax_cp.rms_norm(x, self.scale[...], self.eps)
+        scale = self.scale[...]
+        return jax_cp.rms_norm(x, scale + self.offset if self.offset else scale, self.eps)
 
 
 class MLP(nnx.Module):
@@ -180,7 +221,7 @@ class MLP(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, mesh, sharding: Sharding, dtype, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
         D, F = cfg.d_model, cfg.d_ff
-        self.mesh, self.sharding, self.dtype = mesh, sharding, dtype
+        self.mesh, self.sharding, self.dtype, self.activation = mesh, sharding, dtype, cfg.mlp_activation
         self.w_gate = _param(mesh, sharding, init(rngs.params(), (D, F), jnp.float32), P(None, TP))
         self.w_up = _param(mesh, sharding, init(rngs.params(), (D, F), jnp.float32), P(None, TP))
         self.w_down = _param(mesh, sharding, init(rngs.params(), (F, D), jnp.float32), P(TP, None))
@@ -190,33 +231,50 @@ class MLP(nnx.Module):
         x = x_BSD.astype(dt)
         gate_BSF = jax_cp.place(jnp.einsum("bsd,df->bsf", x, _weight(self.w_gate, m, dt)), m, sh.h_BSF)
         up_BSF = jax_cp.place(jnp.einsum("bsd,df->bsf", x, _weight(self.w_up, m, dt)), m, sh.h_BSF)
-        h_BSF = jax.nn.silu(gate_BSF) * up_BSF
+        h_BSF = ACTIVATIONS[self.activation](gate_BSF) * up_BSF
         y_BSD = jnp.einsum("bsf,fd->bsd", h_BSF, _weight(self.w_down, m, dt))
         return jax_cp.place(y_BSD, m, sh.x_BSD)
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, *, mesh, sharding: Sharding, dtype, attention: dict, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, mesh=mesh, sharding=sharding)
-        spec = cfg.attention
+    """Pre-norm attention and MLP with residuals; layer ``layer``'s window and RoPE (``cfg.layer_attention``)."""
+
+    window = None  # (left, 0): a sliding layer's window, given to its attention at each call
+    attn_post_norm = mlp_post_norm = None  # RMSNorms of the attention and MLP outputs (cfg.post_norms)
+
+    def __init__(self, cfg: LlamaConfig, *, mesh, sharding: Sharding, dtype, attention: dict, rngs: nnx.Rngs,
+                 layer: int = 0):
+        norm = functools.partial(RMSNorm, cfg.d_model, eps=cfg.norm_eps, mesh=mesh, sharding=sharding,
+                                 offset=cfg.norm_offset)
+        self.attn_norm = norm()
+        spec = cfg.layer_attention(layer)
+        if spec.local_window_size is not None:
+            self.window = spec.local_window_size
         self.attn = jax_cp.CPAttention(
             spec.num_heads, spec.in_features, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, mesh=mesh,
             is_causal=spec.is_causal, use_qk_norm=spec.use_qk_norm, rope_theta=spec.rope_theta, dtype=dtype,
             logits_soft_cap=spec.logits_soft_cap, use_sinks=spec.use_sinks,
             sharding=attention_sharding(spec, mesh, sharding), rngs=rngs, **attention,
         )
-        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, mesh=mesh, sharding=sharding)
+        self.mlp_norm = norm()
         self.mlp = MLP(cfg, mesh=mesh, sharding=sharding, dtype=dtype, rngs=rngs)
+        if cfg.post_norms:
+            self.attn_post_norm, self.mlp_post_norm = norm(), norm()
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, infer: dict | None = None, sharding=None,
                  span_ids_BS=None):
         """``infer``: the attention's ``prefill``/``decode``/``lengths`` (inference), else training;
         ``span_ids_BS``: bidirectional spans (a prefix-LM prompt), or None."""
         spans = {} if span_ids_BS is None else {"span_ids": span_ids_BS}
+        if self.window is not None:
+            spans["local_window_size"] = self.window
         a = self.attn(self.attn_norm(x_BSD), positions=positions_BS, segment_ids=segment_ids_BS, **spans,
                       **(infer or {}))
+        a = a if self.attn_post_norm is None else self.attn_post_norm(a)
         x_BSD = x_BSD + a.astype(x_BSD.dtype)
-        return x_BSD + self.mlp(self.mlp_norm(x_BSD), sharding).astype(x_BSD.dtype)
+        m = self.mlp(self.mlp_norm(x_BSD), sharding)
+        m = m if self.mlp_post_norm is None else self.mlp_post_norm(m)
+        return x_BSD + m.astype(x_BSD.dtype)
 
 
 class Llama(nnx.Module):
@@ -244,12 +302,12 @@ class Llama(nnx.Module):
         embed = nnx.initializers.normal(0.02)(rngs.params(), (V, D), jnp.float32)
         self.embed = _param(mesh, sharding, embed, P(TP, None))
         self.blocks = nnx.List([
-            Block(cfg, mesh=mesh, sharding=sharding, dtype=self.dtype, rngs=rngs, attention=dict(
+            Block(cfg, mesh=mesh, sharding=sharding, dtype=self.dtype, rngs=rngs, layer=i, attention=dict(
                 kernel=kernel, kv_exchange=kv_exchange, overlap_chunks=overlap_chunks,
                 fused_qkv_chunks=fused_qkv_chunks))
-            for _ in range(cfg.num_layers)
+            for i in range(cfg.num_layers)
         ])
-        self.final_norm = RMSNorm(D, eps=cfg.norm_eps, mesh=mesh, sharding=sharding)
+        self.final_norm = RMSNorm(D, eps=cfg.norm_eps, mesh=mesh, sharding=sharding, offset=cfg.norm_offset)
         if not cfg.tie_embeddings:
             head = nnx.initializers.lecun_normal()(rngs.params(), (D, V), jnp.float32)
             self.head = _param(mesh, sharding, head, P(None, TP))
@@ -274,7 +332,10 @@ class Llama(nnx.Module):
         sh = self.sharding.decoding() if decode and not prefill else self.sharding
         infer = dict(prefill=True, lengths=lengths) if prefill else dict(decode=True) if decode else None
         embed_VD = _weight(self.embed, m, jnp.float32)
-        x_BSD = jax_cp.place(jnp.take(embed_VD, tokens_BS, axis=0), m, sh.x_BSD)
+        x_BSD = jnp.take(embed_VD, tokens_BS, axis=0)
+        if self.cfg.embed_scale is not None:
+            x_BSD = x_BSD * jnp.float32(self.cfg.embed_scale)
+        x_BSD = jax_cp.place(x_BSD, m, sh.x_BSD)
 
         def apply(block, x, pos, seg, span):
             return jax_cp.place(block(x, pos, seg, infer, sh, span), m, sh.x_BSD)
@@ -289,6 +350,9 @@ class Llama(nnx.Module):
         else:
             w_DV = _weight(self.head, m, self.dtype)
         logits = jnp.einsum("bsd,dv->bsv", h_BSD, w_DV, preferred_element_type=jnp.float32)
+        if self.cfg.final_logits_soft_cap is not None:
+            cap = jnp.float32(self.cfg.final_logits_soft_cap)
+            logits = cap * jnp.tanh(logits / cap)
         return jax_cp.place(logits, m, sh.logits_BSV)
 
 

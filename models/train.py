@@ -1,4 +1,4 @@
-"""Trains the Llama-style model on a context-parallel mesh: ``python -m models.train --help``.
+"""Trains the Llama-style (or hybrid) model on a context-parallel mesh: ``python -m models.train --help``.
 
 One process or many (``--coordinator host:port --num-processes N --process-id i``,
 or a TPU pod's environment). Each step: the global batch (built per process;
@@ -40,7 +40,9 @@ from tqdm import tqdm
 import jax_cp
 from jax_cp import load_balance
 from models import data as data_lib
-from models.llama import Llama, Sharding, abstract_model, get_config, next_token_loss
+from models import hf
+from models.hybrid import abstract_model, get_config, model_class
+from models.llama import Sharding, next_token_loss
 
 __all__ = ["TrainConfig", "global_batch", "main", "parse_args", "run"]
 
@@ -105,9 +107,11 @@ class TrainConfig:
     debug_step_sleep: float = 0.0  # test hook: widens the window in which a run can be killed
     plan: str | None = None  # a TPU topology: compile one step for it and report instead of training
     xla_flags: bool = True  # apply jax_cp.plan's recommended XLA flags on TPU / GPU hosts
+    init_from: str | None = None  # a Hugging Face checkpoint folder: its model, weights and tokenizer (models.hf)
+    rope_scaling: str | None = None  # with init_from: linear:F or llama3:F stretches its RoPE for F times the context
 
     def __post_init__(self):
-        from models.llama import CONFIGS
+        from models import hybrid, llama
 
         positive = ["cp_colossal", "cp_ulysses", "tp", "seq_len", "batch", "steps", "heartbeat_timeout"]
         positive += ["overlap_chunks"] if self.overlap_chunks != "auto" else []
@@ -130,8 +134,18 @@ class TrainConfig:
                              "the bidirectional prompt (or left out: plain next-token training).")
         if self.balance not in BALANCES:
             raise ValueError(f"--balance={self.balance!r} must be one of {BALANCES}.")
-        if self.model not in CONFIGS:
-            raise ValueError(f"--model={self.model!r} is unknown; choose one of {sorted(CONFIGS)}.")
+        if self.init_from is None and self.rope_scaling is not None:
+            raise ValueError(f"--rope-scaling {self.rope_scaling} stretches a loaded checkpoint's RoPE; give "
+                             "--init-from PATH too.")
+        if self.init_from is not None and (self.use_sinks or self.logits_soft_cap is not None):
+            raise ValueError("--init-from trains the checkpoint's own architecture; drop --use-sinks and "
+                             "--logits-soft-cap.")
+        if self.model not in llama.CONFIGS and self.model not in hybrid.CONFIGS:
+            raise ValueError(f"--model={self.model!r} is unknown; choose one of {sorted(llama.CONFIGS)} (Llama) or "
+                             f"{sorted(hybrid.CONFIGS)} (hybrid: gated DeltaNet and attention layers).")
+        if self.prefix_lm is not None and self.model in hybrid.CONFIGS:
+            raise ValueError(f"--prefix-lm={self.prefix_lm} needs bidirectional prompts, which the recurrent layers "
+                             f"of --model={self.model} cannot see; train it without --prefix-lm.")
         try:
             Sharding(fsdp_axes=self.fsdp_axes_tuple)
         except ValueError as e:
@@ -185,7 +199,9 @@ def _build_parser() -> argparse.ArgumentParser:
                         "the gradient sums over the CP axes into reduce-scatters (half an all-reduce's bytes; still "
                         "synchronous in the TPU schedules measured, see benchmarks/RESULTS.md)")
     g = p.add_argument_group("model and optimisation")
-    g.add_argument("--model", default=d.model, help="tiny (llama3-8b/70b are shapes for planning)")
+    g.add_argument("--model", default=d.model,
+                   help="tiny, or hybrid-tiny (gated DeltaNet layers, attention every 4th: models.hybrid); "
+                        "llama3-8b/70b are shapes for planning")
     g.add_argument("--seq-len", type=int, default=d.seq_len)
     g.add_argument("--batch", type=int, default=d.batch, help="global batch (sequences per step)")
     g.add_argument("--steps", type=int, default=d.steps, help="total steps (including resumed ones)")
@@ -214,6 +230,12 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logits-soft-cap", type=float, default=d.logits_soft_cap,
                    help="cap every attention logit to c*tanh(logits/c) (Gemma 2 style)")
     g.add_argument("--use-sinks", action="store_true", help="a learned sink logit per query head (GPT-OSS style)")
+    g.add_argument("--init-from", metavar="PATH",
+                   help="fine-tune a Hugging Face checkpoint folder (config.json, safetensors, tokenizer.json; "
+                        "models.hf): its model replaces --model, --data is tokenized with its tokenizer, and the "
+                        "result is saved in the same layout to OUT/hf")
+    g.add_argument("--rope-scaling", metavar="KIND:FACTOR",
+                   help="with --init-from: linear:F or llama3:F stretches its RoPE for F times its context")
     g.add_argument("--prefix-lm", type=float, default=d.prefix_lm, metavar="FRACTION",
                    help="prefix-LM objective: the first FRACTION of each document is a bidirectional prompt "
                         "(jax_cp span_ids) and its labels are not trained")
@@ -314,7 +336,7 @@ def setup(cfg: TrainConfig, devices=None) -> Setup:
     mesh = jax_cp.make_mesh(cp_colossal=cfg.cp_colossal, cp_ulysses=cfg.cp_ulysses, tp=cfg.tp, dp=cfg.dp,
                             devices=devices, axis_types=AxisType.Auto)
     dims = jax_cp.mesh_dims(mesh)
-    if cfg.model != "tiny" and jax.default_backend() == "cpu":
+    if cfg.model not in ("tiny", "hybrid-tiny") and jax.default_backend() == "cpu":
         raise ValueError(f"--model={cfg.model!r} does not fit a CPU; train --model tiny here (the large configs "
                          "are for accelerators and for planning: models.llama.abstract_model).")
     _check_batch(cfg, dims.dp)
@@ -325,9 +347,9 @@ def setup(cfg: TrainConfig, devices=None) -> Setup:
     if saved and cfg.checkpoint_every and not cfg.resume:
         raise ValueError(f"{cfg.ckpt_dir} already holds checkpoints (up to step {saved[-1]}); pass --resume to "
                          "continue them, or another --out/--checkpoint-dir to start afresh.")
-    corpus = data_lib.load_corpus(cfg.data)
-    train_windows = data_lib.Windows(corpus.train, cfg.seq_len, cfg.seed)
-    eval_windows = data_lib.Windows(corpus.eval, cfg.seq_len, seed=1_000_003)
+    corpus = data_lib.load_corpus(cfg.data, **hf.corpus_options(cfg.init_from))
+    train_windows = data_lib.Windows(corpus.train, cfg.seq_len, cfg.seed, eod=corpus.eod)
+    eval_windows = data_lib.Windows(corpus.eval, cfg.seq_len, seed=1_000_003, eod=corpus.eod)
     balance = cfg.balance if cfg.load_balance and dims.c > 1 else None
     dual_chunk = None
     if dims.c > 1 and cfg.seq_len % (2 * dims.c) == 0:
@@ -424,8 +446,9 @@ def _check_same_flags(cfg: TrainConfig) -> None:
 
 
 def model_config(cfg: TrainConfig):
-    """The ``LlamaConfig`` of ``--model`` with the run's attention options (soft cap, sinks)."""
-    base = get_config(cfg.model)
+    """The ``LlamaConfig`` (or ``models.hybrid.HybridConfig``) of ``--model`` with the run's attention options
+    (soft cap, sinks)."""
+    base = get_config(cfg.model) if cfg.init_from is None else hf.finetune_config(cfg.init_from, cfg.rope_scaling)[0]
     cap = base.logits_soft_cap if cfg.logits_soft_cap is None else cfg.logits_soft_cap
     return dataclasses.replace(base, logits_soft_cap=cap, use_sinks=base.use_sinks or cfg.use_sinks)
 
@@ -513,7 +536,8 @@ def _log(fh, record: dict) -> None:
 def _init_fn(cfg: TrainConfig, mesh, tx):
     """``() -> (model, optimizer)``: the parameters and AdamW state, sharded on ``mesh``."""
     def init():
-        model = Llama(model_config(cfg), mesh=mesh, rngs=nnx.Rngs(cfg.seed), **_model_kwargs(cfg))
+        config = model_config(cfg)
+        model = model_class(config)(config, mesh=mesh, rngs=nnx.Rngs(cfg.seed), **_model_kwargs(cfg))
         return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
     return init
 
@@ -594,6 +618,10 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
     tx, schedule = make_optimizer(cfg)
     with jax.set_mesh(s.mesh):
         graphdef, state = nnx.split(nnx.jit(_init_fn(cfg, s.mesh, tx))())
+    if cfg.init_from:  # the checkpoint's weights, each in its parameter's sharding (--resume restores over them)
+        model, opt = nnx.merge(graphdef, state)
+        hf.read_params(model, cfg.init_from)
+        state = nnx.state((model, opt))
     shardings = jax.tree.map(lambda x: x.sharding, state)
     train_step = _train_step_fn(graphdef)
 
@@ -680,6 +708,10 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
     if mngr is not None:
         mngr.wait_until_finished()
         mngr.close()
+    if cfg.init_from:  # the fine-tuned model in the checkpoint's layout (and its tokenizer), by every process
+        with jax.set_mesh(s.mesh):
+            hf.save(nnx.merge(graphdef, state)[0], out / "hf", hf.finetune_config(cfg.init_from, cfg.rope_scaling)[1],
+                    copy_from=cfg.init_from)
     last = max(losses)
     summary = {
         "model": cfg.model, "mesh": dataclasses.asdict(dims), "processes": jax.process_count(),
