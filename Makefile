@@ -5,6 +5,9 @@
 # make generate    : sample from make train's checkpoint (CP prefill + sharded KV cache decode)
 # make docs        : same venv, install jax_cp[docs], build the site into build/docs (mkdocs --strict:
 #                    warnings are errors; offline)
+# make vs-maxtext  : compile jax_cp's and MaxText's Llama 3.1 8B training steps ahead of time for a TPU pod
+#                    (benchmarks/vs_maxtext.py; VS_MAXTEXT_ARGS passes it options); MaxText runs in its own
+#                    .venv-maxtext (PYTHON312): maxtext[tpu]==0.2.5 with libtpu==0.0.52 (resolves jax 0.12.0.1)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,7 +17,7 @@ PYTEST_ARGS ?= -n 2 --dist worksteal --durations=25
 PIP_FLAGS ?=
 PYTHON312 ?= $(shell .ci/find-python312)
 
-.PHONY: test test-newest train generate install docs clean
+.PHONY: test test-newest train generate install docs clean vs-maxtext
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +54,21 @@ $(DOCS_STAMP): pyproject.toml
 
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+MAXTEXT_VENV ?= .venv-maxtext
+MAXTEXT_STAMP := $(MAXTEXT_VENV)/.maxtext-installed
+VS_MAXTEXT_ARGS ?=
+
+# The bare maxtext wheel declares no dependencies: its [tpu] extra carries jax, flax, tokamax and the rest.
+$(MAXTEXT_STAMP):
+	@test -n "$(PYTHON312)" || { echo "no Python 3.12 found: pass PYTHON312=/path/to/python3.12"; exit 2; }
+	test -x $(MAXTEXT_VENV)/bin/python || $(PYTHON312) -m venv $(MAXTEXT_VENV)
+	$(MAXTEXT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(MAXTEXT_VENV)/bin/python -m pip install -q 'maxtext[tpu]==0.2.5' libtpu==0.0.52
+	touch $(MAXTEXT_STAMP)
+
+vs-maxtext: $(STAMP) $(MAXTEXT_STAMP)
+	JAX_PLATFORMS=cpu $(PY) benchmarks/vs_maxtext.py $(VS_MAXTEXT_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv312 runs .pytest_cache

@@ -1,7 +1,7 @@
 """Published per-chip peaks of TPU generations, for step-time *estimates*.
 
 Sources: the Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/
-v4, v5e, v5p, v6e): peak bf16 FLOP/s, HBM capacity and bandwidth, and the
+v4, v5e, v5p, v6e, tpu7x): peak bf16 FLOP/s, HBM capacity and bandwidth, and the
 "interchip interconnect BW" per chip (given in Gbps; stored here in bytes/s).
 The ICI figure is the per-chip total; one mesh axis may use only part of the
 links, so communication estimates from it are optimistic.
@@ -42,7 +42,7 @@ class Chip:
             if getattr(self, field) <= 0:
                 raise ValueError(f"Chip {self.name}: {field}={getattr(self, field)} must be positive.")
 
-    # Per JAX device (one TensorCore on v4, which is not megacore under JAX).
+    # Per JAX device (one TensorCore on v4 and TPU7x, which JAX shows as two devices a chip).
     @property
     def device_flops(self) -> float:
         return self.bf16_flops / self.devices_per_chip
@@ -75,6 +75,11 @@ CHIPS = {
         # v6e (Trillium): 918 TFLOP/s, 32 GB HBM at 1640 GB/s, ICI 3584 Gbps.
         Chip(name="v6e", device_kind="TPU v6 lite", bf16_flops=918e12, hbm_bytes=32 * GiB,
              hbm_bandwidth=1640e9, ici_bandwidth=3584e9 / 8),
+        # TPU7x (Ironwood), Google's published per-chip spec: 2307 TFLOP/s bf16 (4614 is the FP8 peak),
+        # 192 GiB HBM3E at 7.37 TB/s, ICI 1.2 TB/s bidirectional. Two TensorCores a chip, each a JAX
+        # device (libtpu's "tpu7x:4x4x4": 64 chips, 128 devices), so per device: half of each.
+        Chip(name="tpu7x", device_kind="TPU7x", bf16_flops=2307e12, hbm_bytes=192 * GiB,
+             hbm_bandwidth=7370e9, ici_bandwidth=1200e9, devices_per_chip=2),
     )
 }
 

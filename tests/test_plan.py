@@ -401,6 +401,9 @@ def test_chips():
     assert plan.chip_for("v5e:4x4").bf16_flops == 197e12
     assert plan.chip_for("v5p:4x4x4").device_hbm_bytes == 95 * 2**30
     assert plan.chip_for("v4:2x2x1").device_flops == 275e12 / 2  # JAX shows the two v4 cores as devices
+    ironwood = plan.chip_for("tpu7x:4x4x4")  # two TensorCores a chip, each a JAX device
+    assert ironwood.device_kind == "TPU7x" and ironwood.device_hbm_bytes == 96 * 2**30
+    assert ironwood.device_flops == 2307e12 / 2 and ironwood.device_ici_bandwidth == 600e9
     with pytest.raises(ValueError, match="unknown chip 'v9z'"):
         plan.chip_for("v9z:2x2")
 

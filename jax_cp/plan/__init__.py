@@ -22,15 +22,17 @@ from jax_cp._chips import CHIPS, Chip, chip_for
 from jax_cp.plan._flags import (
     FLAG_ENV, apply_for_this_host, apply_recommended_flags, compiler_options, recommended_xla_flags,
 )
-from jax_cp.plan._hlo import Collective, Schedule, Timeline, analyze_schedule, timeline
+from jax_cp.plan._hlo import Collective, Schedule, Timeline, analyze_schedule, loop_bytes, timeline
+from jax_cp.plan._hlo_text import parse_module
 from jax_cp.plan._models import MODELS, ModelSpec
-from jax_cp.plan._report import Analysis, Comparison, Estimate, Memory, Report, format_programs
+from jax_cp.plan._report import Analysis, Comparison, Estimate, Memory, Report, analysis_of, format_programs
 from jax_cp.plan._verdict import Option, Verdict, verdict
 
 __all__ = [
     "Analysis", "CHIPS", "Chip", "Collective", "Comparison", "Estimate", "FLAG_ENV", "LayerShape", "MODELS",
     "Memory", "ModelSpec", "Option", "Report", "STRATEGIES", "Schedule", "Timeline", "Verdict", "analyze", "analyze_program",
-    "analyze_schedule", "apply_for_this_host", "apply_recommended_flags", "chip_for", "compare", "compiler_options",
-    "cp_layer", "format_programs", "get_topology", "kv_exchanges", "naive_layer", "parse_layout",
+    "analysis_of", "analyze_schedule", "apply_for_this_host", "apply_recommended_flags", "chip_for", "compare", "compiler_options",
+    "cp_layer", "format_programs", "get_topology", "kv_exchanges", "loop_bytes", "naive_layer", "parse_layout",
+    "parse_module",
     "recommended_xla_flags", "timeline", "topology_mesh", "verdict",
 ]

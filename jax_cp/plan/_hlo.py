@@ -643,7 +643,14 @@ def instr_bytes(mod, comp: str, i: Instr) -> int:
 def loop_bytes(text_or_module) -> float:
     """HBM bytes that a cost analysis counting each loop body once leaves out: every body's traffic
     (``instr_bytes``) for all its runs but one, runs read from the loop conditions (bodies whose trip
-    count is data-dependent, like the blockwise kernel's block loops, run once: a lower bound)."""
+    count is data-dependent, like the blockwise kernel's block loops, run once: a lower bound).
+
+    Args:
+        text_or_module: a scheduled HLO module's text (``compiled.as_text()``) or its parsed module.
+
+    Returns:
+        The bytes, a float.
+    """
     mod = text_or_module if isinstance(text_or_module, _Module) else _Module(text_or_module)
     return float(sum((runs - 1) * sum(instr_bytes(mod, body, i) for i in mod.comps.get(body, ()))
                      for body, runs in mod.iterations().items() if runs > 1))

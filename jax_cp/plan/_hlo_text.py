@@ -141,6 +141,12 @@ def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
     An instruction may span lines (Mosaic kernels carry multi-line backend
     configs): lines that start neither an instruction nor close the
     computation continue the previous one.
+
+    Args:
+        text: the module's text (``compiled.as_text()``).
+
+    Returns:
+        ``(computations, entry)``: each computation's instructions in order, and the entry's name.
     """
     comps: dict[str, list[str]] = {}
     entry, current = "", None

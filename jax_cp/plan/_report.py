@@ -142,8 +142,22 @@ def analysis_of(label: str, compiled, schedule: Schedule, chip: Chip, budget: in
                 loop_bytes: float = 0.0) -> Analysis:
     """Reads memory and cost from a compiled program and estimates its step time on ``chip``.
 
-    ``loop_bytes``: HBM bytes of loop bodies' further trips (``plan._hlo.loop_bytes``), which the
-    compiler's cost analysis, counting each body once, leaves out."""
+    Any compiled program (jax_cp's or another library's) is read the same way.
+
+    Args:
+        label: the program's name in reports.
+        compiled: the compiled program (``jax.jit(f).lower(...).compile()``), or an object with its
+            ``memory_analysis()`` and ``cost_analysis()``.
+        schedule: its collectives as :func:`analyze_schedule` read them.
+        chip: the chip it runs on (:data:`CHIPS`).
+        budget: the device's HBM bytes.
+        compile_s: seconds the compile took.
+        loop_bytes: HBM bytes of loop bodies' further trips (:func:`loop_bytes`), which the
+            compiler's cost analysis, counting each body once, leaves out.
+
+    Returns:
+        The :class:`Analysis`: memory, collectives and the estimated step.
+    """
     m = compiled.memory_analysis()
     memory = Memory(
         arguments=int(m.argument_size_in_bytes), outputs=int(m.output_size_in_bytes),
