@@ -48,7 +48,7 @@ def _timed(f, args, repeat: int) -> float:
 def _program(layer, backward: bool):
     if not backward:
         return jax.jit(layer)
-    return jax.jit(jax.grad(lambda *a: jnp.sum(layer(*a) ** 2), argnums=tuple(range(3))))
+    return jax.jit(lambda *a: jax.grad(lambda *b: jnp.sum(layer(*b) ** 2), argnums=tuple(range(len(a))))(*a))
 
 
 def speed(args) -> None:

@@ -48,7 +48,6 @@ def _split(a, sizes, axis: int):
     return tuple(jnp.split(a, list(itertools.accumulate(sizes))[:-1], axis=axis)) if len(sizes) > 1 else (a,)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1,))
 def seq_to_heads(parts, axis_name):
     """One all-to-all for a tuple of tensors: each ``[B, S/u, H_i, d] -> [B, S, H_i/u, d]``.
 
@@ -58,43 +57,55 @@ def seq_to_heads(parts, axis_name):
     Backward: the inverse all-to-all, also one collective.
 
     Args:
-        parts: the tensors, each ``[B, S/u, H_i, d]`` (inside ``shard_map``).
+        parts: the tensors, each ``[B, S/u, H_i, d]`` (inside ``shard_map``); parts of different
+            dtypes travel in the promoted one and come back in their own.
         axis_name: the mesh axis of size ``u`` to exchange over.
 
     Returns:
-        A tuple of ``[B, S, H_i/u, d]`` tensors.
+        A tuple of ``[B, S, H_i/u, d]`` tensors, each in its part's dtype.
     """
+    return _seq_to_heads(tuple(parts), axis_name, tuple(jnp.dtype(p.dtype) for p in parts))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _seq_to_heads(parts, axis_name, dtypes):
     u = lax.axis_size(axis_name)
     if u == 1:
         return tuple(parts)
     y = a2a(_pack(parts, u), axis_name, 2, 1)  # [B, S, 1, sum H_i/u, d]
     if _one_head_dim(parts):
-        return _split(y[:, :, 0], [p.shape[2] // u for p in parts], 2)
-    flat = _split(y[:, :, 0], [p.shape[2] // u * p.shape[3] for p in parts], 2)
-    return _unflatten(flat, parts, lambda p: p.shape[2] // u)
+        out = _split(y[:, :, 0], [p.shape[2] // u for p in parts], 2)
+    else:
+        flat = _split(y[:, :, 0], [p.shape[2] // u * p.shape[3] for p in parts], 2)
+        out = _unflatten(flat, parts, lambda p: p.shape[2] // u)
+    return tuple(o.astype(d) for o, d in zip(out, dtypes))
 
 
-def _s2h_fwd(parts, axis_name):
-    return seq_to_heads(parts, axis_name), None
+def _s2h_fwd(parts, axis_name, dtypes):
+    return _seq_to_heads(parts, axis_name, dtypes), None
 
 
-def _s2h_bwd(axis_name, _, gs):
+def _s2h_bwd(axis_name, dtypes, _, gs):
+    return (tuple(g.astype(d) for g, d in zip(_unpacked_bwd(axis_name, gs), dtypes)),)
+
+
+def _unpacked_bwd(axis_name, gs):
     u = lax.axis_size(axis_name)
     if u == 1:
-        return (tuple(gs),)
+        return tuple(gs)
     B, S = gs[0].shape[:2]
     if not _one_head_dim(gs):  # MLA: flat, as forward
         g = a2a(jnp.concatenate([g_.reshape(B, S, 1, -1) for g_ in gs], axis=3), axis_name, 1, 2)
         flat = _split(g, [g_.shape[2] * g_.shape[3] for g_ in gs], 3)  # [B, S/u, u, h_i * d_i]
-        return (tuple(f.reshape(B, S // u, u * g_.shape[2], g_.shape[3]) for f, g_ in zip(flat, gs)),)
+        return tuple(f.reshape(B, S // u, u * g_.shape[2], g_.shape[3]) for f, g_ in zip(flat, gs))
     g = jnp.concatenate([g_[:, :, None] for g_ in gs], axis=3)  # [B, S, 1, sum h_i, d]
     g = a2a(g, axis_name, 1, 2)  # [B, S/u, u, sum h_i, d]
     sizes = [g_.shape[2] for g_ in gs]
     chunks = _split(g, sizes, 3)
-    return (tuple(c.reshape(B, S // u, u * h, c.shape[-1]) for c, h in zip(chunks, sizes)),)
+    return tuple(c.reshape(B, S // u, u * h, c.shape[-1]) for c, h in zip(chunks, sizes))
 
 
-seq_to_heads.defvjp(_s2h_fwd, _s2h_bwd)
+_seq_to_heads.defvjp(_s2h_fwd, _s2h_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))

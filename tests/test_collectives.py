@@ -54,6 +54,23 @@ def test_ulysses_exchange_moves_tokens_to_head_groups():
     check_grads(lambda o: jnp.sum(jnp.sin(inv(o))), (b,), **GRAD)
 
 
+def test_ulysses_exchange_keeps_each_parts_dtype():
+    """Parts of different dtypes (bfloat16 q/k/v beside float32 gates) share one all-to-all in the
+    promoted dtype; each output and each gradient comes back in its part's own dtype."""
+    mesh = _mesh(cp_ulysses=4)
+    a, b = _x(2, 8, 4, 3).astype(jnp.bfloat16), _x(2, 8, 8, 3, seed=1)
+    fwd = _smap(mesh, (P(DP, ULY), P(DP, ULY)), (P(DP, None, ULY), P(DP, None, ULY)))(
+        lambda a, b: seq_to_heads((a, b), ULY))
+    ya, yb = fwd(a, b)
+    assert (ya.dtype, yb.dtype) == (jnp.bfloat16, jnp.float32)
+    np.testing.assert_array_equal(ya, a)
+    np.testing.assert_array_equal(yb, b)
+    ga, gb = jax.grad(lambda a, b: sum(jnp.sum(y.astype(F32) * 2) for y in fwd(a, b)), argnums=(0, 1))(a, b)
+    assert (ga.dtype, gb.dtype) == (jnp.bfloat16, jnp.float32)
+    np.testing.assert_array_equal(ga, jnp.full_like(a, 2))
+    np.testing.assert_array_equal(gb, jnp.full_like(b, 2))
+
+
 def test_gather_seq_gives_every_device_the_whole_sequence():
     mesh = _mesh(cp_colossal=4)  # dp=2
     x = _x(2, 8, 2, 3)

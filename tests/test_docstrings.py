@@ -13,8 +13,8 @@ import re
 import flax.linen as nn
 import pytest
 
-MODULES = ("jax_cp", "jax_cp.kernels", "jax_cp.exchanges", "jax_cp.load_balance", "jax_cp.linen",
-           "jax_cp.plan", "jax_cp.reference")
+MODULES = ("jax_cp", "jax_cp.kernels", "jax_cp.exchanges", "jax_cp.linear", "jax_cp.linear.linen",
+           "jax_cp.linear.reference", "jax_cp.load_balance", "jax_cp.linen", "jax_cp.plan", "jax_cp.reference")
 
 
 SECTION = re.compile(r"^(Args|Arguments|Attributes|Returns|Yields|Raises|Examples?|Notes?|References|"

@@ -164,8 +164,10 @@ def _conv_shard(x, w, bias, pos, seg, x0, *, lay, activation):
         table = _weighed_halos(jnp.concatenate([X, vary_as(x0, xf)[:, None]], axis=1), w)  # rows: slots, x0
         head_kind = jnp.take_along_axis(topo.kind, t - d, axis=1)
         row = jnp.where(head_kind == START, lay.pieces, topo.gov)
-        flat = jnp.take_along_axis(table.reshape(B, -1, C), (row * (W - 1) + jnp.minimum(d, W - 2))[..., None], 1)
-        y = y + jnp.where((d < W - 1)[..., None], flat, 0.0)
+        table = table.reshape(B, -1, C)  # a one-hot matmul, not a gather: its gradient is no scatter
+        pick = ((row * (W - 1) + jnp.minimum(d, W - 2))[..., None] == jnp.arange(table.shape[1])[None, None]) & (
+            d < W - 1)[..., None]
+        y = y + jnp.einsum("blr,brc->blc", pick.astype(table.dtype), table)
         last = jnp.take_along_axis(halo, jnp.maximum(topo.final, 0)[:, None, None, None], axis=1)[:, 0]
         last = jnp.where((topo.final >= 0)[:, None, None], last, 0.0)
     else:

@@ -60,8 +60,8 @@ class Topology:
 
 
 def running(op, x, axis: int = -1):
-    """``op``-prefix (``jnp.add``: cumsum, ``jnp.maximum``: cummax) along a long axis by
-    ``lax.associative_scan``: a reduce-window over ``S`` tokens is what libtpu fails to split."""
+    """The ``op``-prefix along ``axis`` (``jnp.add``: cumsum, ``jnp.maximum``: cummax), by
+    ``lax.associative_scan``: log-depth adds of slices, the same on every backend."""
     return lax.associative_scan(op, x, axis=axis)
 
 

@@ -23,8 +23,17 @@ F32 = jnp.float32
 
 
 def document_order(positions, segment_ids, batch: int, seq_len: int):
-    """``(order [B, S], start [B, S])``: each row's tokens sorted by (segment id, position), and which
-    sorted token starts a document (the segment changes or the position is not the previous + 1)."""
+    """Each row's tokens in document order: sorted by (segment id, position), never by index.
+
+    Args:
+        positions, segment_ids: ``[B, S]`` (or ``[S]``) ints, or None (``arange`` / one document).
+        batch, seq_len: the shape ``[B, S]``.
+
+    Returns:
+        ``(order [B, S], start [B, S], last_is_doc [B])``: the sorting permutation, which sorted token
+        starts a document (the segment changes or the position is not the previous + 1), and whether
+        the row's last sorted token belongs to a document (segment id >= 0) rather than padding.
+    """
     pos = check_metadata("positions", positions, batch, seq_len)
     seg = check_metadata("segment_ids", segment_ids, batch, seq_len)
     pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len)) if pos is None else pos
@@ -63,8 +72,9 @@ def gated_delta_rule(q_BSHk, k_BSHk, v_BSHv, g_BSH, beta_BSH, *, positions=None,
     """The gated delta rule token by token (:func:`jax_cp.linear.gated_delta_rule` without a mesh).
 
     Args:
-        q_BSHk, k_BSHk, v_BSHv, g_BSH, beta_BSH, positions, segment_ids, initial_state, return_state,
-            scale, span_ids: as :func:`jax_cp.linear.gated_delta_rule`.
+        q_BSHk, k_BSHk, v_BSHv, g_BSH, beta_BSH: as :func:`jax_cp.linear.gated_delta_rule`.
+        positions, segment_ids, initial_state, return_state: as there.
+        scale, span_ids: as there.
 
     Returns:
         ``o [B, S, H, dv]`` (``v``'s dtype), and with ``return_state`` the last document's final state
@@ -86,8 +96,8 @@ def mamba2_ssd(x_BSHp, dt_BSH, A_H, B_BSGn, C_BSGn, *, D_H=None, positions=None,
     """Mamba-2's SSD token by token (:func:`jax_cp.linear.mamba2_ssd` without a mesh).
 
     Args:
-        x_BSHp, dt_BSH, A_H, B_BSGn, C_BSGn, D_H, positions, segment_ids, initial_state, return_state,
-            span_ids: as :func:`jax_cp.linear.mamba2_ssd`.
+        x_BSHp, dt_BSH, A_H, B_BSGn, C_BSGn, D_H: as :func:`jax_cp.linear.mamba2_ssd`.
+        positions, segment_ids, initial_state, return_state, span_ids: as there.
 
     Returns:
         ``y [B, S, H, p]`` (``x``'s dtype), and with ``return_state`` ``[B, H, p, n]`` float32.
