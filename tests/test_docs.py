@@ -59,7 +59,7 @@ def test_every_guide_has_an_example():
     assert guides and set(guides) <= set(PAGES) | {DOCS / "guides" / "ci.md", DOCS / "guides" / "architecture.md"}
 
 
-@pytest.mark.parametrize("path, limit", [("README.md", 250), ("benchmarks/RESULTS.md", 400)])
+@pytest.mark.parametrize("path, limit", [("README.md", 250), ("benchmarks/RESULTS.md", 460)])
 def test_document_length(path, limit):
     lines = len((ROOT / path).read_text().splitlines())
     assert lines <= limit, f"{path} has {lines} lines; keep it at most {limit} (details go to docs/)"

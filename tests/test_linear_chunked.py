@@ -123,12 +123,21 @@ def test_tokens_in_any_order_give_the_same_result():
                  F32, "conv")
 
 
-def test_too_few_slots_give_nan_not_a_wrong_answer():
+def test_too_few_slots_give_an_error_or_nan_not_a_wrong_answer():
+    """Known metadata: a ValueError naming the slots needed (the host's count is the device's rule: that
+    many suffice). Traced metadata (under jit): the row's outputs are NaN, never a wrong number."""
     q, k, v, g, beta, _ = gdn_args(B, S, 2, 4, 4)
     rev = lambda a: a[:, ::-1]  # noqa: E731  every token's predecessor is the token after it
-    o = linear.gated_delta_rule(*map(rev, (q, k, v, g, beta)), positions=rev(POS), segment_ids=rev(SEG), chunk_size=8,
-                                max_pieces=2)
-    assert bool(jnp.isnan(o).all())
+    args = [rev(a) for a in (q, k, v, g, beta)]
+    need = linear._cp.needed_pieces(np.asarray(rev(POS)), np.asarray(rev(SEG)), 1)
+    with pytest.raises(ValueError, match=rf"max_pieces=2 is too few .* pass max_pieces={need} or more"):
+        linear.gated_delta_rule(*args, positions=rev(POS), segment_ids=rev(SEG), chunk_size=8, max_pieces=2)
+    traced = jax.jit(lambda p, s: linear.gated_delta_rule(*args, positions=p, segment_ids=s, chunk_size=8,
+                                                          max_pieces=2))
+    assert bool(jnp.isnan(traced(rev(POS), rev(SEG))).all())
+    exact = linear.gated_delta_rule(*args, positions=rev(POS), segment_ids=rev(SEG), chunk_size=8, max_pieces=need)
+    ref = linear.reference.gated_delta_rule(*args, positions=rev(POS), segment_ids=rev(SEG))
+    assert_close(exact, ref, F32, "with the slots counted")
 
 
 def test_padding_is_a_document_of_its_own_and_the_state_is_the_last_real_documents():

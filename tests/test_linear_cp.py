@@ -9,6 +9,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AxisType
 
@@ -159,3 +160,21 @@ def test_a_mesh_that_does_not_fit_is_a_value_error():
     xs, dt, A, b, c, _, _ = ssd_args(2, 64, 4, 4, 4, 2)
     with pytest.raises(ValueError, match=r"heads=4 is not divisible by tp\*cp_ulysses=8\*1=8"):
         linear.mamba2_ssd(xs, dt, A, b, c, mesh=_mesh(1, 1, 8))
+
+
+@needs_devices(8)
+def test_the_slots_counted_on_the_host_are_the_ones_the_mesh_needs():
+    """Tokens in a random order on 4 colossal ranks: the host's count of state slots suffices on the
+    mesh (the result is the recurrence's, not NaN) and one fewer is refused before anything runs."""
+    mesh = _mesh(4, 1, 1, dp=2)
+    perm = np.stack([np.random.RandomState(10 + b).permutation(S) for b in range(B)])
+    take = lambda a: jnp.take_along_axis(jnp.asarray(a), perm.reshape(perm.shape + (1,) * (a.ndim - 2)), axis=1)  # noqa: E731
+    q, k, v, g, beta, x0 = _gdn_args()
+    args, pos, seg = [take(a) for a in (q, k, v, g, beta)], take(POS), take(SEG)
+    need = linear._cp.needed_pieces(np.asarray(pos), np.asarray(seg), 4)
+    assert need > 2, need  # the random order cuts documents on every rank
+    got = linear.gated_delta_rule(*args, mesh=mesh, positions=pos, segment_ids=seg, chunk_size=8, max_pieces=need)
+    assert_close(got, take(linear.reference.gated_delta_rule(q, k, v, g, beta, positions=POS, segment_ids=SEG)),
+                 F32, "random order")
+    with pytest.raises(ValueError, match=rf"max_pieces={need - 1} is too few .* pass max_pieces={need} or more"):
+        linear.gated_delta_rule(*args, mesh=mesh, positions=pos, segment_ids=seg, chunk_size=8, max_pieces=need - 1)

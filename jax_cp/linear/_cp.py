@@ -13,6 +13,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -24,7 +25,8 @@ from jax_cp.linear._chains import pass_states
 from jax_cp.linear._chunk import runs
 from jax_cp.linear._topology import CONT, topology
 
-__all__ = ["DEFAULT_PIECES", "HEADS", "META", "STATE", "Layout", "layout", "placed_meta", "run", "shard_state"]
+__all__ = ["DEFAULT_PIECES", "HEADS", "META", "STATE", "Layout", "layout", "needed_pieces", "placed_meta", "run",
+           "shard_state"]
 
 DEFAULT_PIECES = 16
 META = P(DP, None)  # [B, S] positions / segment ids, whole rows on every device
@@ -74,13 +76,42 @@ def layout(mesh, batch: int, seq_len: int, heads: int, chunk_size: int, max_piec
     return Layout(mesh, c, u, t, L, min(chunk_size, L), pieces)
 
 
-def placed_meta(positions, segment_ids, batch: int, seq_len: int, mesh):
-    """``[B, S]`` int32 positions (``arange``) and segment ids (zeros), replicated along the sequence."""
+def placed_meta(positions, segment_ids, batch: int, seq_len: int, mesh, lay: Layout | None = None):
+    """``[B, S]`` int32 positions (``arange``) and segment ids (zeros), replicated along the sequence.
+    With ``lay`` and concrete metadata, a layout needing more state slots than ``lay.pieces`` is a
+    ValueError here (traced, such a row's outputs are NaN)."""
     pos = check_metadata("positions", positions, batch, seq_len)
     seg = check_metadata("segment_ids", segment_ids, batch, seq_len)
     pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len)) if pos is None else pos
     seg = jnp.zeros((batch, seq_len), jnp.int32) if seg is None else seg
+    if lay is not None and not any(isinstance(a, jax.core.Tracer) for a in (pos, seg)):
+        need = needed_pieces(np.asarray(pos), np.asarray(seg), lay.c)
+        if need > lay.pieces:
+            raise ValueError(f"max_pieces={lay.pieces} is too few for this row's order: a rank holds {need} runs "
+                             f"that continue a document across ranks (each needs a state slot); pass "
+                             f"max_pieces={need} or more.")
     return (pos, seg) if mesh is None else tuple(place(a, mesh, META) for a in (pos, seg))
+
+
+def needed_pieces(pos_BS: np.ndarray, seg_BS: np.ndarray, c: int) -> int:
+    """The state slots the busiest of ``c`` ranks needs (``_topology``'s rule, on the host): per rank,
+    the runs it exports (their successor lives elsewhere, or the row's final token) and the runs it
+    receives (their predecessor lives elsewhere), whichever is more."""
+    B, S = pos_BS.shape
+    L, g = S // c, np.arange(S)
+    worst = 0
+    for pos, seg in zip(pos_BS.astype(np.int64), seg_BS.astype(np.int64)):
+        order = np.lexsort((g, pos, seg))
+        link = (seg[order][1:] == seg[order][:-1]) & (pos[order][1:] == pos[order][:-1] + 1)
+        pred, succ = np.full(S, -1), np.full(S, -1)
+        pred[order[1:][link]], succ[order[:-1][link]] = order[:-1][link], order[1:][link]
+        cont = (pred == g - 1) & (g % L != 0)
+        last = seg[seg >= 0].max() if (seg >= 0).any() else -1
+        final = np.argmax(np.where(seg == last, pos, np.iinfo(np.int64).min)) if last >= 0 else -1
+        exported = ((succ >= 0) & ~((succ == g + 1) & (g % L != L - 1))) | (g == final)
+        cut = ~cont & (pred >= 0)
+        worst = max(worst, int(exported.reshape(c, L).sum(1).max()), int(cut.reshape(c, L).sum(1).max()))
+    return worst
 
 
 def run(body, lay: Layout, args: tuple, in_specs: tuple, out_specs):

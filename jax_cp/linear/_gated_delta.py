@@ -64,7 +64,7 @@ def gated_delta_rule(q_BSHk, k_BSHk, v_BSHv, g_BSH, beta_BSH, *, mesh=None, posi
     lay = layout(mesh, B, S, H, chunk_size, max_pieces)
     x0 = check_state("initial_state", initial_state, (B, H, dv, dk), "[B, H, dv, dk]")
     x0 = jnp.zeros((B, H, dv, dk), jnp.float32) if x0 is None else x0
-    pos, seg = placed_meta(positions, segment_ids, B, S, mesh)
+    pos, seg = placed_meta(positions, segment_ids, B, S, mesh, lay)
     g = g_BSH if g_BSH.ndim == 4 else g_BSH[..., None]
     o, final = _gdn(q_BSHk, k_BSHk, v_BSHv, g, beta_BSH[..., None], pos, seg, x0, lay=lay,
                     scale=default_scale(scale, dk))
