@@ -21,6 +21,7 @@ BUDGET_S = {
     "01_layouts.ipynb": 300,
     "02_communication_and_memory.ipynb": 400,
     "03_long_context_training.ipynb": 400,
+    "04_linear_attention.ipynb": 400,
 }
 # Notebook 03 trains (2 layouts x 30 steps): its time is execution, which LLVM level 0 slows
 # (81 -> 118 s in the suite), so it compiles at the default level (the CPU-only flag of
