@@ -5,6 +5,7 @@ W conv width, C channels.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax_cp._body import check_metadata  # the attention's own check: one rule for both
 
 __all__ = ["check_conv", "check_gdn", "check_metadata", "check_ssd", "check_state", "refuse_spans"]
 
@@ -82,19 +83,6 @@ def check_state(name: str, state, want: tuple, what: str):
         return None
     _shape(name, state, want, what)
     return jnp.asarray(state, jnp.float32)
-
-
-def check_metadata(name: str, value, batch: int, seq_len: int):
-    """Integer ``[S]``, ``[1, S]`` or ``[B, S]`` -> ``[B, S]`` int32 (``None`` passes)."""
-    if value is None:
-        return None
-    value = jnp.asarray(value)
-    if not jnp.issubdtype(value.dtype, jnp.integer):
-        raise ValueError(f"{name}.dtype={value.dtype} must be an integer dtype (e.g. int32).")
-    if value.ndim not in (1, 2) or value.shape[-1] != seq_len or value.ndim == 2 and value.shape[0] not in (1, batch):
-        raise ValueError(f"{name}.shape={value.shape} must be (seq_len,)=({seq_len},) or (batch, seq_len)="
-                         f"({batch}, {seq_len}).")
-    return jnp.broadcast_to(value.astype(jnp.int32), (batch, seq_len))
 
 
 def refuse_spans(span_ids) -> None:

@@ -25,6 +25,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_cp._checks import check_positive_fields
+from jax_cp._decode import _check_lengths
 from jax_cp._mesh import CP, DP, TP, MeshDims, gather, is_explicit, mesh_dims, place
 from jax_cp._posenc import rms_norm
 from jax_cp.linear import reference
@@ -302,16 +303,6 @@ def prefill_cache(params: dict, x_BSD, *, spec: GatedDeltaNetSpec, mesh, dtype=N
     y, (conv, state) = gated_deltanet(params, x_BSD, spec=spec, mesh=mesh, dtype=dtype, positions=positions,
                                       segment_ids=seg, return_state=True)
     return y, {n: place(v, mesh, CACHE_SPECS[n]) for n, v in zip(CACHE_FIELDS, (conv, state, next_B))}
-
-
-def _check_lengths(lengths, batch: int, seq_len: int):
-    lengths = jnp.asarray(lengths)
-    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise ValueError(f"lengths (shape={lengths.shape}, dtype={lengths.dtype}) must be integers of shape "
-                         f"(batch,)=({batch},): each prompt's number of real tokens (the rest is padding).")
-    if not isinstance(lengths, jax.core.Tracer) and (lengths.min() < 1 or lengths.max() > seq_len):
-        raise ValueError(f"lengths={lengths.tolist()} must lie in [1, seq_len={seq_len}].")
-    return lengths.astype(jnp.int32)
 
 
 def empty_cache(spec: GatedDeltaNetSpec, mesh, batch: int, dtype) -> dict[str, jax.Array]:
