@@ -17,10 +17,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import hf_reference
+from hf_util import logits_of, mesh_of
 import jax_cp
 from conftest import needs_devices
 from models import families, hf
@@ -59,19 +58,6 @@ def random_checkpoint(config: dict, folder, dtype=np.float32, seed=0) -> dict:
     safetensors_numpy.save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config))
     return tensors
-
-
-def mesh_of(c, u, t):
-    n = c * u * t
-    return jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, devices=jax.devices()[:n], axis_types=AxisType.Auto)
-
-
-def logits_of(model, tokens):
-    sharding = NamedSharding(model.mesh, P("dp", ("cp_colossal", "cp_ulysses")))
-    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-    with jax.set_mesh(model.mesh):
-        return nnx.jit(lambda m, t, p: m(t, positions=p))(model, jax.device_put(tokens, sharding),
-                                                          jax.device_put(positions, sharding))
 
 
 @pytest.fixture

@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType
 
 import jax_cp
 from conftest import needs_devices
 import hf_reference
+from hf_util import logits_of, mesh_of
 from models import families, hf
 from util import assert_close
 
@@ -88,19 +89,6 @@ def write_public_layout(model, config: dict, folder) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
-def mesh_of(c, u, t):
-    n = c * u * t
-    return jax_cp.make_mesh(cp_colossal=c, cp_ulysses=u, tp=t, devices=jax.devices()[:n], axis_types=AxisType.Auto)
-
-
-def jax_cp_logits(model, tokens):
-    sharding = NamedSharding(model.mesh, P("dp", ("cp_colossal", "cp_ulysses")))
-    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-    with jax.set_mesh(model.mesh):
-        return nnx.jit(lambda m, t, p: m(t, positions=p))(model, jax.device_put(tokens, sharding),
-                                                          jax.device_put(positions, sharding))
-
-
 @pytest.fixture
 def tokens():
     return np.random.default_rng(0).integers(0, 96, (2, 32)).astype(np.int32)
@@ -118,7 +106,7 @@ def test_logits_match_flax_llama_on_every_mesh(tmp_path, monkeypatch, tokens, ti
     for c, u, t in MESHES:
         model, _ = hf.load(tmp_path / "ckpt", mesh_of(c, u, t), dtype=jnp.float32)
         assert isinstance(model.cfg.rope_theta, jax_cp.RoPE) and model.cfg.tie_embeddings == tied
-        assert_close(jax_cp_logits(model, tokens), expected, jnp.float32, f"mesh (c, u, t)=({c}, {u}, {t})")
+        assert_close(logits_of(model, tokens), expected, jnp.float32, f"mesh (c, u, t)=({c}, {u}, {t})")
 
 
 def test_numpy_reference_matches_flax_llama(tmp_path, monkeypatch, tokens):
