@@ -206,3 +206,14 @@ def test_bad_input_is_a_value_error(i):
     call, match = _bad_calls()[i]
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_float64_inputs_are_refused_not_rounded():
+    """The state is float32: float64 inputs under x64 are a ValueError, not a silent float32 result."""
+    with jax.enable_x64(True):
+        q, k, v, g, beta, _ = gdn_args(1, 16, 2, 4, 4)
+        with pytest.raises(ValueError, match=r"q.dtype=float64: the linear layers carry their state in float32"):
+            linear.gated_delta_rule(q.astype(jnp.float64), k, v, g, beta, chunk_size=8)
+        x, dt, A, b, c, D, _ = ssd_args(1, 16, 2, 4, 4, 1)
+        with pytest.raises(ValueError, match=r"x.*dtype=float64: the linear layers carry their state in float32"):
+            linear.mamba2_ssd(x.astype(jnp.float64), dt, A, b, c, chunk_size=8)

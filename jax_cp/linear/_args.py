@@ -16,8 +16,12 @@ def _shape(name: str, a, want: tuple, what: str):
 
 
 def _floating(name: str, a):
-    if not jnp.issubdtype(jnp.result_type(a), jnp.floating):
-        raise ValueError(f"{name}.dtype={jnp.result_type(a)} must be a real floating dtype (float32, bfloat16, ...).")
+    dtype = jnp.result_type(a)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{name}.dtype={dtype} must be a real floating dtype (float32, bfloat16, ...).")
+    if dtype == jnp.float64:
+        raise ValueError(f"{name}.dtype=float64: the linear layers carry their state in float32, so float64 inputs "
+                         "(jax_enable_x64) would lose precision silently; cast the inputs to float32.")
 
 
 def check_gdn(q, k, v, g, beta, chunk_size: int):
