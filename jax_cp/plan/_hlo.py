@@ -569,6 +569,7 @@ def _collectives_of(mod, comp, mesh_shape, axis_names) -> list[Collective]:
 
 
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
+_LHS_DILATE = re.compile(r"lhs_dilate=([0-9x]+)")
 _LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 
 
@@ -589,7 +590,13 @@ def instr_flops(mod, comp: str, i: Instr, depth: int = 0) -> float | None:
         rhs = _dims(_operand_shape(table, operands[1]))
         if labels is None or len(labels.group(2)) != len(rhs):
             return 0.0
-        return 2.0 * math.prod(_dims(i.shape)) * math.prod(n for n, l in zip(rhs, labels.group(2)) if l == "i" or l.isdigit())
+        dilate = _LHS_DILATE.search(i.attrs)
+        dilate = [int(d) for d in dilate.group(1).split("x")] if dilate else []
+        # A base-dilated window (TPU writes some batched matmuls so: window 8 with lhs_dilate 8) meets
+        # one input element per lhs_dilate window positions: only those taps multiply.
+        taps = [n if l == "i" else -(-n // (dilate[int(l)] if int(l) < len(dilate) else 1))
+                for n, l in zip(rhs, labels.group(2)) if l == "i" or l.isdigit()]
+        return 2.0 * math.prod(_dims(i.shape)) * math.prod(taps)
     if i.opcode == "dot" and operands:
         lhs, contracting = _dims(_operand_shape(table, operands[0])), _LHS_CONTRACTING.search(i.attrs)
         ks = [int(k) for k in contracting.group(1).split(",") if k] if contracting else []
