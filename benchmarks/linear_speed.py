@@ -6,8 +6,9 @@
 Prints one table row per layer: the median wall time of the recurrence (``jax_cp.linear.reference``)
 and of the chunked form (``jax_cp.linear``) on one device, and their ratio. With ``--tpu`` it instead
 compiles one gated delta layer for a TPU topology (libtpu's compiler, no TPU needed) over
-``cp_colossal`` and prints, per sequence length, each collective's bytes per device and whether compute
-is scheduled under the state all-gather (``jax_cp.plan``'s schedule reader).
+``cp_colossal`` and prints, per sequence length, each collective's bytes per device, whether compute
+is scheduled under the state exchange and the share of its transfer time that compute covers
+(``jax_cp.plan``'s schedule reader).
 """
 from __future__ import annotations
 
@@ -89,7 +90,9 @@ def tpu(args) -> None:
         for c in a.schedule.collectives:
             print(f"{S:7} {c.phase:>5} {c.kind:>14} {','.join(c.axes):>12} {c.bytes:13} {str(c.is_async):>6} "
                   f"{len(c.compute_inside):15}")
-        print(f"{S:7} peak memory/device {a.memory.peak / 2**20:.0f} MiB, compile {a.compile_s:.0f} s")
+        covered = ", ".join("-" if t is None else f"{t:.2f}" for t in a.time_covered[:2])
+        print(f"{S:7} transfer time covered fwd, bwd: {covered}; peak memory/device "
+              f"{a.memory.peak / 2**20:.0f} MiB, compile {a.compile_s:.0f} s")
 
 
 def main() -> None:
@@ -104,7 +107,7 @@ def main() -> None:
     p.add_argument("--tpu", default=None, help="a TPU topology name, e.g. v5p:4x4x4 (ahead-of-time compile)")
     p.add_argument("--seqs", type=int, nargs="*", default=[32768, 131072])
     p.add_argument("--colossal", type=int, default=8)
-    p.add_argument("--pieces", type=int, default=2)
+    p.add_argument("--pieces", type=int, default=None, help="max_pieces (default: the layer's own, sized)")
     args = p.parse_args()
     tpu(args) if args.tpu else speed(args)
 

@@ -133,16 +133,19 @@ def test_conv_halo_on_the_mesh_equals_the_recurrence(cut, order):
 
 @needs_devices(8)
 def test_state_bytes_do_not_grow_with_the_sequence():
-    """The layer's collectives are the all-gathers of the slots' maps: the same shapes for 4x the tokens."""
+    """The layer's one collective moves the slots' maps (an all-to-all of ``c`` copies: per rank, 2 slots
+    x 2 heads x (4*4 + 4*4) floats): the same shapes for 4x the tokens."""
     mesh = _mesh(4, 1, 1, dp=2)
 
     def collectives(S):
         q, k, v, g, beta, _ = gdn_args(2, S, 2, 4, 4)
         f = jax.jit(lambda *a: linear.gated_delta_rule(*a, mesh=mesh, chunk_size=8, max_pieces=2))
         text = f.lower(q, k, v, g, beta).compile().as_text()
-        return re.findall(r"= (\w+\[[\d,]*\])\S* (all-gather|all-reduce|all-to-all|collective-permute)", text)
+        found = re.findall(r"= (\(?\w+\[[\d,]*\][^=]*?) (all-gather|all-reduce|all-to-all|collective-permute)\(",
+                           text)
+        return [(re.sub(r"\{[^}]*\}", "", shape), kind) for shape, kind in found]
 
-    assert collectives(64) == collectives(256) == [("f32[1,2,8,4,4]", "all-gather")] * 2
+    assert collectives(64) == collectives(256) == [("(" + ", ".join(["f32[1,2,1,1,2,32]"] * 4) + ")", "all-to-all")]
 
 
 @needs_devices(8)
@@ -178,3 +181,29 @@ def test_the_slots_counted_on_the_host_are_the_ones_the_mesh_needs():
                  F32, "random order")
     with pytest.raises(ValueError, match=rf"max_pieces={need - 1} is too few .* pass max_pieces={need} or more"):
         linear.gated_delta_rule(*args, mesh=mesh, positions=pos, segment_ids=seg, chunk_size=8, max_pieces=need - 1)
+    # Without max_pieces the host's count sizes the slots (rounded up to a power of two): the same result.
+    dflt = linear.gated_delta_rule(*args, mesh=mesh, positions=pos, segment_ids=seg, chunk_size=8)
+    assert_close(dflt, got, F32, "random order, slots sized on the host")
+    assert linear._cp.placed_meta(pos, seg, B, S, mesh, linear._cp.layout(mesh, B, S, 2, 8, None),
+                                  sized=True)[2].pieces == 1 << (need - 1).bit_length()
+
+
+@needs_devices(8)
+def test_the_default_slots_follow_the_order_known_on_the_host():
+    """Without max_pieces: one slot per rank for the natural order (default metadata), even under a
+    caller's jit; traced metadata keep min(S/c, 16); the precision of the state products is HIGHEST."""
+    mesh = _mesh(4, 1, 1, dp=2)
+    q, k, v, g, beta, _ = gdn_args(2, 64, 2, 4, 4)
+
+    def slots(**kw):
+        text = jax.jit(lambda *a: linear.gated_delta_rule(*a, mesh=mesh, chunk_size=8, **kw)).lower(
+            q, k, v, g, beta).as_text()
+        return {int(m) for m in re.findall(r"all_to_all.*?tensor<1x(\d+)x4x1x2x32xf32>", text)}, text
+
+    natural, text = slots()
+    assert natural == {1}, natural
+    assert "HIGHEST" in text  # the state products (jax_cp.linear._chains._apply)
+    assert slots(max_pieces=3)[0] == {3}
+    traced = jax.jit(lambda pos, *a: linear.gated_delta_rule(*a, mesh=mesh, chunk_size=8, positions=pos)).lower(
+        jnp.arange(64, dtype=jnp.int32), q, k, v, g, beta).as_text()
+    assert {int(m) for m in re.findall(r"all_to_all.*?tensor<1x(\d+)x4x1x2x32xf32>", traced)} == {16}

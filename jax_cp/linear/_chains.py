@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_cp._vma import vary_as
+from jax_cp.exchanges.all_to_all import spread_kv
 from jax_cp.linear._chunk import Intra, maps_at, select
 from jax_cp.linear._topology import CONT, CUT, START, Topology
 
@@ -31,8 +32,10 @@ __all__ = ["pass_states"]
 
 
 def _apply(X, A):
-    """``X A``: a matrix product, or a scalar map (``A [.., 1, 1]``)."""
-    return X * A if A.shape[-2:] == (1, 1) else X @ A
+    """``X A``: a matrix product, or a scalar map (``A [.., 1, 1]``). In full float32 (``HIGHEST``): a
+    state is multiplied by chunk after chunk's map, and an accelerator's default matmul precision
+    (bfloat16 passes on TPU, TF32 on GPU) would round the state it carries at every step."""
+    return X * A if A.shape[-2:] == (1, 1) else jnp.matmul(X, A, precision=lax.Precision.HIGHEST)
 
 
 def _where(flag_B, a, b):
@@ -79,6 +82,19 @@ def _tails(intra: Intra, kind_BNC, S_in, Phi_in, topo: Topology, x0, eye):
     Phi0 = _where(head == 0, take(Phi_in), _where(kind == CUT, jnp.broadcast_to(eye, a.shape), 0.0))
     ok = topo.tail_ok
     return _where(ok, _apply(Phi0, a), 0.0), _where(ok, _apply(S0, a) + b, 0.0)
+
+
+def _gather_slots(phi_t, s_t, axis: str):
+    """Every rank's exported ``(Phi, S)``, ``[B, H, c*P, ...]`` in rank order: one all-to-all of ``c``
+    copies (``spread_kv``; asynchronous on every TPU generation, where an all-gather is only on v5e),
+    whose backward is the inverse all-to-all and a float32 sum of the copies."""
+    B, H, P = phi_t.shape[:3]
+    flat = jnp.concatenate([phi_t.reshape(B, H, P, -1), s_t.reshape(B, H, P, -1)], axis=-1)
+    got = spread_kv(jnp.moveaxis(flat, 2, 1)[:, :, None], axis)  # [B, c*P, 1, H, F]
+    got = jnp.moveaxis(got[:, :, 0], 1, 2)
+    n = phi_t.shape[-2] * phi_t.shape[-1]
+    return (got[..., :n].reshape(got.shape[:3] + phi_t.shape[3:]),
+            got[..., n:].reshape(got.shape[:3] + s_t.shape[3:]))
 
 
 def _chain(phi_all, s_all, topo: Topology):
@@ -134,17 +150,23 @@ def pass_states(intra: Intra, topo: Topology, x0, axis):
     S_in, Phi_in = _local_scan(intra, kind, x0, eye)
     phi_t, s_t = _tails(intra, kind, S_in, Phi_in, topo, x0, eye)
     if axis is not None:  # the one exchange: every rank's exported maps
-        phi_t, s_t = lax.all_gather((phi_t, s_t), axis, axis=2, tiled=True)
+        phi_t, s_t = _gather_slots(phi_t, s_t, axis)
+    # While the maps travel: everything that needs no incoming state. A chunk's open run starts from
+    # S_in + X0 Phi_in (X0 the state its CUT slot receives), so its tokens' q_eff S^T splits into the
+    # local q_eff S_in^T and (q_eff Phi_in^T) X0^T, whose first factor is local too.
     m0 = (intra.runs.run == 0)[:, None, ..., None]
     kind_of_head = jnp.take_along_axis(kind, intra.runs.head, axis=-1)
     start_mid = ((intra.runs.run > 0) & (kind_of_head == START))[:, None, ..., None]
-    o = intra.o_intra + jnp.einsum("bhnck,bhvk->bhncv", intra.q_eff * start_mid, x0)  # needs no incoming state
+    q0 = intra.q_eff * m0
+    o = (intra.o_intra + jnp.einsum("bhnck,bhvk->bhncv", intra.q_eff * start_mid, x0)
+         + jnp.einsum("bhnck,bhnvk->bhncv", q0, S_in))
+    q_phi = q0 * Phi_in if Phi_in.shape[-2:] == (1, 1) else jnp.einsum("bhnck,bhnjk->bhncj", q0, Phi_in)
+    # Then what the received states add.
     S_all = _chain(phi_t, s_t, topo)
     X = _received(S_all, topo)
     gov = topo.gov.reshape(B, N, C)
     X0 = jnp.take_along_axis(X, gov[..., 0][:, None, :, None, None], axis=2)  # [B, H, N, v, k]
-    S_true = S_in + _apply(X0, Phi_in)  # the state each chunk's open run really starts from
-    o = o + jnp.einsum("bhnck,bhnvk->bhncv", intra.q_eff * m0, S_true) + _mid_cuts(intra, kind_of_head, gov, X, topo)
+    o = o + jnp.einsum("bhncj,bhnvj->bhncv", q_phi, X0) + _mid_cuts(intra, kind_of_head, gov, X, topo)
     final = jnp.take_along_axis(S_all, jnp.maximum(topo.final, 0)[:, None, None, None, None], axis=2)[:, :, 0]
     final = _where(topo.final >= 0, final, 0.0)
     return _where(topo.ok, o, jnp.nan), _where(topo.ok, final, jnp.nan)

@@ -47,7 +47,7 @@ def causal_conv1d(x_BSC, w_WC, *, bias_C=None, mesh=None, positions=None, segmen
         initial_state: ``[B, W-1, C]`` the inputs before each document's first token (default zero).
         return_state: also return the last document's last ``W - 1`` inputs ``[B, W-1, C]`` (``x``'s
             dtype; what :func:`conv_step` continues from).
-        max_pieces: slots per CP device (default ``min(S/(c*u), 16)``), as
+        max_pieces: slots per CP device (default: sized from concrete metadata, else ``min(S/(c*u), 16)``), as
             :func:`jax_cp.linear.gated_delta_rule`'s; a slot moves ``(W - 1) * C / tp`` values.
 
     Returns:
@@ -66,7 +66,7 @@ def causal_conv1d(x_BSC, w_WC, *, bias_C=None, mesh=None, positions=None, segmen
     x0 = check_state("initial_state", initial_state, (B, W - 1, C), "[B, W-1, C]")
     x0 = jnp.zeros((B, W - 1, C), jnp.float32) if x0 is None else x0
     bias = jnp.zeros((C,), jnp.float32) if bias_C is None else bias_C.astype(jnp.float32)
-    pos, seg = placed_meta(positions, segment_ids, B, S, mesh, lay)
+    pos, seg, lay = placed_meta(positions, segment_ids, B, S, mesh, lay, sized=max_pieces is None)
     y, last = _conv(x_BSC, w_WC.astype(jnp.float32), bias, pos, seg, x0, lay=lay, activation=activation)
     return (y, last.astype(x_BSC.dtype)) if return_state else y
 

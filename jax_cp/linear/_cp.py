@@ -76,21 +76,28 @@ def layout(mesh, batch: int, seq_len: int, heads: int, chunk_size: int, max_piec
     return Layout(mesh, c, u, t, L, min(chunk_size, L), pieces)
 
 
-def placed_meta(positions, segment_ids, batch: int, seq_len: int, mesh, lay: Layout | None = None):
-    """``[B, S]`` int32 positions (``arange``) and segment ids (zeros), replicated along the sequence.
-    With ``lay`` and concrete metadata, a layout needing more state slots than ``lay.pieces`` is a
-    ValueError here (traced, such a row's outputs are NaN)."""
+def placed_meta(positions, segment_ids, batch: int, seq_len: int, mesh, lay: Layout, *, sized: bool = False):
+    """``(pos, seg, lay)``: ``[B, S]`` int32 positions (``arange``) and segment ids (zeros), replicated
+    along the sequence, and the layout. With concrete metadata (the defaults are), the slots a rank
+    needs are counted on the host: ``sized`` (``max_pieces=None``) sets ``lay.pieces`` to the next power
+    of two at or above that count (few distinct programs, no slot that never carries a state); a given
+    ``max_pieces`` below it is a ValueError. Traced metadata keep ``lay.pieces`` (too few: NaN rows)."""
     pos = check_metadata("positions", positions, batch, seq_len)
     seg = check_metadata("segment_ids", segment_ids, batch, seq_len)
-    pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len)) if pos is None else pos
-    seg = jnp.zeros((batch, seq_len), jnp.int32) if seg is None else seg
-    if lay is not None and not any(isinstance(a, jax.core.Tracer) for a in (pos, seg)):
+    # the defaults as NumPy arrays: known on the host even while a caller's jit traces this
+    pos = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)) if pos is None else pos
+    seg = np.zeros((batch, seq_len), np.int32) if seg is None else seg
+    if not any(isinstance(a, jax.core.Tracer) for a in (pos, seg)):
         need = needed_pieces(np.asarray(pos), np.asarray(seg), lay.c)
-        if need > lay.pieces:
+        if sized:
+            lay = dataclasses.replace(lay, pieces=min(1 << max(need - 1, 0).bit_length(), lay.L))
+        elif need > lay.pieces:
             raise ValueError(f"max_pieces={lay.pieces} is too few for this row's order: a rank holds {need} runs "
                              f"that continue a document across ranks (each needs a state slot); pass "
                              f"max_pieces={need} or more.")
-    return (pos, seg) if mesh is None else tuple(place(a, mesh, META) for a in (pos, seg))
+    meta = tuple(jnp.asarray(a) for a in (pos, seg))
+    meta = meta if mesh is None else tuple(place(a, mesh, META) for a in meta)
+    return (*meta, lay)
 
 
 def needed_pieces(pos_BS: np.ndarray, seg_BS: np.ndarray, c: int) -> int:

@@ -47,10 +47,11 @@ def gated_delta_rule(q_BSHk, k_BSHk, v_BSHv, g_BSH, beta_BSH, *, mesh=None, posi
         scale: the query scale (default ``dk ** -0.5``, as flash-linear-attention and Qwen3-Next).
         span_ids: refused (a recurrence cannot see a span's later tokens).
         max_pieces: slots per ``cp_colossal`` rank: the most runs on one rank that continue a document
-            from elsewhere, or that a run elsewhere continues, plus the row's final token (default
-            ``min(S/c, 16)``). The natural and dual-chunk orders need 3; a dispatch plan at most twice
-            its chunks per rank. Each slot moves ``(dk + dv) * dk`` floats per head; rows that need more
-            slots come out NaN.
+            from elsewhere, or that a run elsewhere continues, plus the row's final token. The natural
+            and dual-chunk orders need at most 3; a dispatch plan at most twice its chunks per rank. Each slot moves ``(dk + dv) * dk`` floats per head; rows that need more
+            slots come out NaN. Default: counted on the host when ``positions`` and ``segment_ids`` are
+            concrete (not traced; the defaults are), rounded up to a power of two; traced,
+            ``min(S/c, 16)``.
 
     Returns:
         ``o [B, S, H, dv]`` in ``v``'s dtype (sharded as the inputs), and with ``return_state`` the
@@ -64,7 +65,7 @@ def gated_delta_rule(q_BSHk, k_BSHk, v_BSHv, g_BSH, beta_BSH, *, mesh=None, posi
     lay = layout(mesh, B, S, H, chunk_size, max_pieces)
     x0 = check_state("initial_state", initial_state, (B, H, dv, dk), "[B, H, dv, dk]")
     x0 = jnp.zeros((B, H, dv, dk), jnp.float32) if x0 is None else x0
-    pos, seg = placed_meta(positions, segment_ids, B, S, mesh, lay)
+    pos, seg, lay = placed_meta(positions, segment_ids, B, S, mesh, lay, sized=max_pieces is None)
     g = g_BSH if g_BSH.ndim == 4 else g_BSH[..., None]
     o, final = _gdn(q_BSHk, k_BSHk, v_BSHv, g, beta_BSH[..., None], pos, seg, x0, lay=lay,
                     scale=default_scale(scale, dk))

@@ -50,7 +50,7 @@ def mamba2_ssd(x_BSHp, dt_BSH, A_H, B_BSGn, C_BSGn, *, D_H=None, mesh=None, posi
     lay = layout(mesh, Bz, S, H, chunk_size, max_pieces)
     x0 = check_state("initial_state", initial_state, (Bz, H, p, n), "[B, H, p, n]")
     x0 = jnp.zeros((Bz, H, p, n), jnp.float32) if x0 is None else x0
-    pos, seg = placed_meta(positions, segment_ids, Bz, S, mesh, lay)
+    pos, seg, lay = placed_meta(positions, segment_ids, Bz, S, mesh, lay, sized=max_pieces is None)
     G = B_BSGn.shape[2]
     rep = math.lcm(G, lay.t * lay.u) // G  # whole groups on every device that holds their heads
     b, c = (jnp.repeat(a, rep, axis=2) if rep > 1 else a for a in (B_BSGn, C_BSGn))
