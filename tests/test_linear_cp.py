@@ -207,3 +207,28 @@ def test_the_default_slots_follow_the_order_known_on_the_host():
     traced = jax.jit(lambda pos, *a: linear.gated_delta_rule(*a, mesh=mesh, chunk_size=8, positions=pos)).lower(
         jnp.arange(64, dtype=jnp.int32), q, k, v, g, beta).as_text()
     assert {int(m) for m in re.findall(r"all_to_all.*?tensor<1x(\d+)x4x1x2x32xf32>", traced)} == {16}
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_documents_that_stay_on_their_rank_carry_only_the_state(per_channel):
+    """Rows whose documents never cross a rank (one row ends its last document on rank 2, then pads):
+    the host finds no cut, the layer carries only the state (no maps), only the final state's slot
+    travels, and output, final state and gradients equal the recurrence; traced metadata (the general
+    path with its maps) give the same."""
+    pos, seg = packed(rows=((16, 10, 6, 16, 16), (16, 16, 8, 8)), pad=(0, 16))
+    seg[1, -16:] = -1
+    mesh = _mesh(4, 1, 1, dp=2)
+    lay = linear._cp.layout(mesh, B, S, H, 8, None)
+    assert not linear._cp.placed_meta(pos, seg, B, S, mesh, lay, sized=True)[2].cuts
+    layer = lambda q, k, v, g, beta, x0, **kw: linear.gated_delta_rule(  # noqa: E731
+        q, k, v, g, beta, initial_state=x0, chunk_size=8, return_state=True, **kw)
+    fast = lambda *a: layer(*a, mesh=mesh, positions=pos, segment_ids=seg)  # noqa: E731
+    ref = lambda *a: linear.reference.gated_delta_rule(*a[:5], positions=pos, segment_ids=seg,  # noqa: E731
+                                                       initial_state=a[5], return_state=True)
+    args = _gdn_args(per_channel)
+    _compare(fast, ref, args, "uncut rows")
+    traced = jax.jit(lambda p, s, *a: layer(*a, mesh=mesh, positions=p, segment_ids=s, max_pieces=2))(
+        jnp.asarray(pos), jnp.asarray(seg), *args)
+    for a, b in zip(traced, fast(*args)):
+        assert_close(a, b, F32, "traced metadata, general path")

@@ -25,7 +25,7 @@ from jax import lax
 
 from jax_cp._vma import vary_as
 from jax_cp.exchanges.all_to_all import spread_kv
-from jax_cp.linear._chunk import Intra, maps_at, select
+from jax_cp.linear._chunk import Intra, k_bar_at as _k_bar, maps_at, select
 from jax_cp.linear._topology import CONT, CUT, START, Topology
 
 __all__ = ["pass_states"]
@@ -69,6 +69,30 @@ def _local_scan(intra: Intra, kind_BNC, x0, eye):
     return jnp.moveaxis(S_in, 0, 2), jnp.moveaxis(Phi_in, 0, 2)
 
 
+def _local_scan_uncut(intra: Intra, kind_BNC, x0):
+    """``S_in [B, H, N, ...]`` when no token is ``CUT`` (every run starts from ``x0`` or continues the
+    token before it): the state alone is carried, and the delta rule's chunk update is
+    flash-linear-attention's ``S d + (W_v - W_k S^T)^T K_bar`` (no ``[k, k]`` map is formed; the kept
+    part ``S d`` stays exact at any matmul precision)."""
+    B, H, N, C, _ = intra.q_eff.shape
+    tau = jnp.full((B, N), C - 1, jnp.int32)
+    k_bar, decay = _k_bar(intra, tau)
+    head_last = intra.runs.head[..., C - 1]
+    xs = (kind_BNC[..., 0], head_last == 0, intra.w_v, intra.w_k, k_bar, decay)
+    xs = tuple(None if a is None else jnp.moveaxis(a, 2 if a.ndim > 2 else 1, 0) for a in xs)
+
+    def body(S, x):
+        kind0, last_first, w_v, w_k, k_bar, decay = x
+        S_in = _where(kind0 == CONT, S, x0)
+        S0 = _where(last_first, S_in, x0)  # the last run's start: the chunk's open run, or a START
+        u = w_v if w_k is None else w_v - jnp.einsum("...ck,...vk->...cv", w_k, S0)
+        kept = S0 * (decay[..., None, :] if decay.shape[-1] > 1 else decay[..., None])
+        return kept + jnp.einsum("...cv,...ck->...vk", u, k_bar), S_in
+
+    _, S_in = lax.scan(body, vary_as(jnp.zeros_like(x0), intra.w_v, x0), xs)
+    return jnp.moveaxis(S_in, 0, 2)
+
+
 def _tails(intra: Intra, kind_BNC, S_in, Phi_in, topo: Topology, x0, eye):
     """Each exported slot's ``(Phi, S)`` after its tail token, ``[B, H, P, ...]`` (zero if unused)."""
     C = intra.q_eff.shape[3]
@@ -79,7 +103,8 @@ def _tails(intra: Intra, kind_BNC, S_in, Phi_in, topo: Topology, x0, eye):
     head = jnp.take_along_axis(rows, tau[..., None], axis=-1)[..., 0]  # [B, P]
     kind = jnp.take_along_axis(kind_BNC.reshape(kind_BNC.shape[0], -1), chunk * C + head, axis=1)
     S0 = _where(head == 0, take(S_in), _where(kind == START, x0[:, :, None], 0.0))
-    Phi0 = _where(head == 0, take(Phi_in), _where(kind == CUT, jnp.broadcast_to(eye, a.shape), 0.0))
+    Phi_head = jnp.zeros(a.shape, jnp.float32) if Phi_in is None else take(Phi_in)  # None: no run receives
+    Phi0 = _where(head == 0, Phi_head, _where(kind == CUT, jnp.broadcast_to(eye, a.shape), 0.0))
     ok = topo.tail_ok
     return _where(ok, _apply(Phi0, a), 0.0), _where(ok, _apply(S0, a) + b, 0.0)
 
@@ -132,7 +157,7 @@ def _mid_cuts(intra: Intra, kind_of_head, gov_BNC, X, topo: Topology):
     return jnp.einsum("bpn,bhpcv->bhncv", (chunk[..., None] == jnp.arange(N)[None, None]).astype(corr.dtype), corr)
 
 
-def pass_states(intra: Intra, topo: Topology, x0, axis):
+def pass_states(intra: Intra, topo: Topology, x0, axis, *, cuts: bool = True):
     """Outputs ``[B, H, N, C, v]`` and the row's final state ``[B, H, v, k]`` of one rank's chunks.
 
     Args:
@@ -140,6 +165,8 @@ def pass_states(intra: Intra, topo: Topology, x0, axis):
         topo: this rank's :class:`Topology`.
         x0: ``[B, H, v, k]`` the state every document starts from (zeros for none).
         axis: the ``cp_colossal`` axis name, or ``None`` on one device.
+        cuts: ``False`` where the host knows no token is ``CUT``: only the state is carried (no maps
+            ``Phi``; about half the FLOPs of the delta rule), and no state travels on one device.
 
     Returns:
         ``(o, final)``: NaN in rows whose layout needs more slots than the topology has.
@@ -147,7 +174,10 @@ def pass_states(intra: Intra, topo: Topology, x0, axis):
     B, H, N, C, _ = intra.q_eff.shape
     kind = topo.kind.reshape(B, N, C)
     eye = jnp.eye(intra.w_k.shape[-1] if intra.w_k is not None else 1, dtype=jnp.float32)
-    S_in, Phi_in = _local_scan(intra, kind, x0, eye)
+    if cuts:
+        S_in, Phi_in = _local_scan(intra, kind, x0, eye)
+    else:
+        S_in, Phi_in = _local_scan_uncut(intra, kind, x0), None
     phi_t, s_t = _tails(intra, kind, S_in, Phi_in, topo, x0, eye)
     if axis is not None:  # the one exchange: every rank's exported maps
         phi_t, s_t = _gather_slots(phi_t, s_t, axis)
@@ -160,6 +190,8 @@ def pass_states(intra: Intra, topo: Topology, x0, axis):
     q0 = intra.q_eff * m0
     o = (intra.o_intra + jnp.einsum("bhnck,bhvk->bhncv", intra.q_eff * start_mid, x0)
          + jnp.einsum("bhnck,bhnvk->bhncv", q0, S_in))
+    if not cuts:  # every state is local: the slots only carry the final state
+        return _where(topo.ok, o, jnp.nan), _where(topo.ok, _final(_chain(phi_t, s_t, topo), topo), jnp.nan)
     q_phi = q0 * Phi_in if Phi_in.shape[-2:] == (1, 1) else jnp.einsum("bhnck,bhnjk->bhncj", q0, Phi_in)
     # Then what the received states add.
     S_all = _chain(phi_t, s_t, topo)
@@ -167,6 +199,10 @@ def pass_states(intra: Intra, topo: Topology, x0, axis):
     gov = topo.gov.reshape(B, N, C)
     X0 = jnp.take_along_axis(X, gov[..., 0][:, None, :, None, None], axis=2)  # [B, H, N, v, k]
     o = o + jnp.einsum("bhncj,bhnvj->bhncv", q_phi, X0) + _mid_cuts(intra, kind_of_head, gov, X, topo)
+    return _where(topo.ok, o, jnp.nan), _where(topo.ok, _final(S_all, topo), jnp.nan)
+
+
+def _final(S_all, topo: Topology):
+    """The row's final state ``[B, H, v, k]``: its slot's (zero if the row has no document)."""
     final = jnp.take_along_axis(S_all, jnp.maximum(topo.final, 0)[:, None, None, None, None], axis=2)[:, :, 0]
-    final = _where(topo.final >= 0, final, 0.0)
-    return _where(topo.ok, o, jnp.nan), _where(topo.ok, final, jnp.nan)
+    return _where(topo.final >= 0, final, 0.0)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jax_cp.linear._topology import running
 
-__all__ = ["Intra", "Runs", "gdn_intra", "maps_at", "runs", "ssd_intra"]
+__all__ = ["Intra", "Runs", "gdn_intra", "k_bar_at", "maps_at", "runs", "ssd_intra"]
 
 
 @jax.tree_util.register_dataclass
@@ -138,17 +138,22 @@ def select(intra: Intra, chunk_BM) -> Intra:
                                                               intra.k, intra.G, intra.Gr)), runs=r)
 
 
-def maps_at(intra: Intra, tau_BN):
-    """``(A, B)`` of the run holding token ``tau [B, N]`` of each chunk: the state after ``tau`` is
-    ``X A + B`` for the state ``X`` the run started from. ``A [B, H, N, k, k]`` (``[.., 1, 1]`` for
-    Mamba-2), ``B [B, H, N, v, k]``."""
+def k_bar_at(intra: Intra, tau_BN):
+    """``(k_bar [B, H, N, C, k], decay [B, H, N, d])``: the keys of the run holding token ``tau [B, N]``
+    up to it, decayed to it, and the run's decay from its start to ``tau``."""
     at = lambda a: jnp.take_along_axis(a, tau_BN[:, None, :, None, None], axis=-2)  # noqa: E731  [.., 1, d]
     run_tau = jnp.take_along_axis(intra.runs.run, tau_BN[..., None], axis=-1)
     C = intra.k.shape[-2]
     keep = ((jnp.arange(C)[None, None] <= tau_BN[..., None]) & (intra.runs.run == run_tau))[:, None, ..., None]
-    k_bar = intra.k * _masked_exp(at(intra.G) - intra.G, keep)
+    return intra.k * _masked_exp(at(intra.G) - intra.G, keep), jnp.exp(at(intra.Gr))[..., 0, :]
+
+
+def maps_at(intra: Intra, tau_BN):
+    """``(A, B)`` of the run holding token ``tau [B, N]`` of each chunk: the state after ``tau`` is
+    ``X A + B`` for the state ``X`` the run started from. ``A [B, H, N, k, k]`` (``[.., 1, 1]`` for
+    Mamba-2), ``B [B, H, N, v, k]``."""
+    k_bar, decay = k_bar_at(intra, tau_BN)
     b = jnp.einsum("...sv,...sk->...vk", intra.w_v, k_bar)
-    decay = jnp.exp(at(intra.Gr))[..., 0, :]  # [B, H, N, d]
     if intra.w_k is None:
         return decay[..., None], b
     a = -jnp.einsum("...sj,...sk->...jk", intra.w_k, k_bar)

@@ -46,6 +46,7 @@ class Layout:
     L: int
     chunk: int
     pieces: int
+    cuts: bool = True  # some token's predecessor is not the token before it on its rank (False: known on the host)
 
     @property
     def axis(self):
@@ -88,7 +89,8 @@ def placed_meta(positions, segment_ids, batch: int, seq_len: int, mesh, lay: Lay
     pos = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)) if pos is None else pos
     seg = np.zeros((batch, seq_len), np.int32) if seg is None else seg
     if not any(isinstance(a, jax.core.Tracer) for a in (pos, seg)):
-        need = needed_pieces(np.asarray(pos), np.asarray(seg), lay.c)
+        need, cuts = _host_count(np.asarray(pos), np.asarray(seg), lay.c)
+        lay = dataclasses.replace(lay, cuts=cuts)
         if sized:
             lay = dataclasses.replace(lay, pieces=min(1 << max(need - 1, 0).bit_length(), lay.L))
         elif need > lay.pieces:
@@ -104,9 +106,15 @@ def needed_pieces(pos_BS: np.ndarray, seg_BS: np.ndarray, c: int) -> int:
     """The state slots the busiest of ``c`` ranks needs (``_topology``'s rule, on the host): per rank,
     the runs it exports (their successor lives elsewhere, or the row's final token) and the runs it
     receives (their predecessor lives elsewhere), whichever is more."""
+    return _host_count(pos_BS, seg_BS, c)[0]
+
+
+def _host_count(pos_BS: np.ndarray, seg_BS: np.ndarray, c: int) -> tuple[int, bool]:
+    """``(needed_pieces, cuts)``: ``cuts`` whether any token is a ``CUT`` (its predecessor is not the
+    token before it on its rank)."""
     B, S = pos_BS.shape
     L, g = S // c, np.arange(S)
-    worst = 0
+    worst, cuts = 0, False
     for pos, seg in zip(pos_BS.astype(np.int64), seg_BS.astype(np.int64)):
         order = np.lexsort((g, pos, seg))
         link = (seg[order][1:] == seg[order][:-1]) & (pos[order][1:] == pos[order][:-1] + 1)
@@ -118,7 +126,8 @@ def needed_pieces(pos_BS: np.ndarray, seg_BS: np.ndarray, c: int) -> int:
         exported = ((succ >= 0) & ~((succ == g + 1) & (g % L != L - 1))) | (g == final)
         cut = ~cont & (pred >= 0)
         worst = max(worst, int(exported.reshape(c, L).sum(1).max()), int(cut.reshape(c, L).sum(1).max()))
-    return worst
+        cuts = cuts or bool(cut.any())
+    return worst, cuts
 
 
 def run(body, lay: Layout, args: tuple, in_specs: tuple, out_specs):
@@ -168,7 +177,7 @@ def shard_state(lay: Layout, intra_fn, pos_BS, seg_BS, x0, ref):
     topo = dataclasses.replace(topo, kind=kind, gov=jnp.pad(topo.gov, ((0, 0), (0, N * C - lay.L)), mode="edge"))
     intra = intra_fn(runs(kind.reshape(kind.shape[0], N, C) != CONT))
     x0 = vary_as(x0, ref)
-    o, final = pass_states(intra, topo, x0, lay.axis)
+    o, final = pass_states(intra, topo, x0, lay.axis, cuts=lay.cuts)
     if lay.mesh is not None:  # every rank composed the same final state: keep rank 0's, typed as replicated
         final = lax.psum(jnp.where(_rank(lay) == 0, final, 0.0), COLOSSAL)
     return o, final
