@@ -261,6 +261,36 @@ def test_parser_counts_loop_transfers_per_trip():
     assert loop_bytes(HLO_LOOP) == 4 * (512 + (256 + 512 + 256) + 12)
 
 
+# Splash kernel calls as libtpu 0.0.52 schedules them: named after the kernel, or, vmapped over a device's
+# batch rows (a loop over them), ``closed_call`` with the kernel in its op_name and metadata over lines.
+HLO_KERNELS = """HloModule jit_train_step, is_scheduled=true
+
+%row_body (p: (s32[], bf16[1,1024,16])) -> (s32[], bf16[1,1024,16]) {
+  %p = (s32[], bf16[1,1024,16]{2,1,0}) parameter(0)
+  %q.1 = bf16[1,1024,16]{2,1,0} get-tuple-element(%p), index=1
+  %closed_call.177 = (f32[512,128]{1,0}, bf16[1,1024,16]{2,1,0}) custom-call(%q.1), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 512}"
+}}, metadata={op_name="jit(train_step)/jvp()/shard_map/vmap()/static_sparsity_splash/jit(_splash_attention)/splash_mqa_fwd_segmented_residuals/splash_mqa_fwd_segmented_residuals/while/body/closed_call/pallas_call" stack_frame_id=918}, backend_config={"custom_call_config":{"body":"TUzvUgFN"}}
+  %closed_call.178 = bf16[1,1024,16]{2,1,0} custom-call(%q.1), custom_call_target="tpu_custom_call", metadata={op_name="jit(train_step)/my_pallas_kernel/pallas_call"}
+  ROOT %t = (s32[], bf16[1,1024,16]{2,1,0}) tuple(%p, %closed_call.177)
+}
+
+ENTRY %main (q: bf16[1,1024,16]) -> bf16[1,1024,16] {
+  %q = bf16[1,1024,16]{2,1,0} parameter(0)
+  %splash_mha_dq_no_residuals.3 = bf16[1,1024,16]{2,1,0} custom-call(%q), custom_call_target="tpu_custom_call", metadata={op_name="jit(train_step)/transpose(jvp())/splash_mha_dq_no_residuals/pallas_call"}
+  ROOT %splash_mha_dkv_no_residuals.4 = bf16[1,1024,16]{2,1,0} custom-call(%q), custom_call_target="tpu_custom_call"
+}
+"""
+
+
+def test_kernel_calls_named_and_vmapped():
+    """The report's kernel that ran: splash calls named after the kernel and vmapped ones (a
+    ``closed_call`` whose op_name names it) count once each; another Pallas kernel does not."""
+    from jax_cp.plan._analyze import kernel_calls
+
+    assert dict(kernel_calls(HLO_KERNELS)) == {"splash_mqa_fwd": 1, "splash_mha_dq": 1, "splash_mha_dkv": 1}
+
+
 def test_parser_on_hand_written_hlo_jax_0_12_form():
     """Named-mesh replica groups, async-start calling the collective's computation, `%name#k` operands."""
     s = plan.analyze_schedule(HLO_MESH, **MESH)

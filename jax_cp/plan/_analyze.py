@@ -151,10 +151,29 @@ def _analyze_compiled(fn, args, label, mesh, chip, budget, flags, donate_argnums
                                kernel_calls=kernel_calls(text))
 
 
+_SPLASH = r"splash_m[hq]a_(?:fwd|dq|dkv)"
+_CUSTOM_CALL = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = [^\n]*custom-call\(", flags=re.M)
+_NEXT_INSTRUCTION = re.compile(r"\n\s*(?:ROOT )?%[\w.-]+ = ")
+
+
 def kernel_calls(hlo_text: str) -> tuple[tuple[str, int], ...]:
     """``((kernel, count), ...)`` of the splash attention kernels called in a scheduled HLO text
-    (forward, dq and dK/dV; loop bodies count once)."""
-    names = re.findall(r"%(splash_m[hq]a_(?:fwd|dq|dkv))\w*(?:\.\d+)? = [^\n]*custom-call\(", hlo_text)
+    (forward, dq and dK/dV; loop bodies count once).
+
+    A call is named after its kernel (``%splash_mha_fwd.3 = ... custom-call(``), or, where the kernel
+    was vmapped over a device's batch rows (a loop over them), ``%closed_call.N`` with the kernel in
+    its ``op_name``."""
+    names = []
+    for m in _CUSTOM_CALL.finditer(hlo_text):
+        own = re.match(_SPLASH, m.group(1))
+        if own:
+            names.append(own.group(0))
+            continue
+        end = _NEXT_INSTRUCTION.search(hlo_text, m.end())  # its attributes can span lines
+        text = hlo_text[m.start():end.start() if end else len(hlo_text)]
+        op_name = re.search(r'op_name="([^"]*)"', text)
+        found = re.findall(_SPLASH, op_name.group(1)) if op_name and '"tpu_custom_call"' in text else []
+        names += found[-1:]
     return tuple(sorted(collections.Counter(names).items()))
 
 
