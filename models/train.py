@@ -174,6 +174,11 @@ class TrainConfig:
         return tuple(a.strip() for a in self.fsdp_axes.split(",") if a.strip())
 
     @property
+    def model_name(self) -> str:
+        """``--model``, or the ``--init-from`` folder's name (what logs and plans call the model)."""
+        return self.model if self.init_from is None else Path(self.init_from).resolve().name
+
+    @property
     def ckpt_dir(self) -> Path:
         return Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.out) / "checkpoints"
 
@@ -584,7 +589,7 @@ def plan_train_step(cfg: TrainConfig, topology: str | None = None, *, memory_bud
              for k in fields}
     with jax.set_mesh(mesh):  # the state is donated, as train's step does: the peak counts it once
         return plan.analyze_program(_train_step_fn(graphdef), (state, batch), topology=topology, mesh=mesh,
-                                    label=f"train step {cfg.model}", memory_budget=memory_budget,
+                                    label=f"train step {cfg.model_name}", memory_budget=memory_budget,
                                     xla_flags=xla_flags, donate_argnums=0)
 
 
@@ -601,7 +606,8 @@ def _plan_main(cfg: TrainConfig) -> None:
     a = plan_train_step(cfg)
     mesh = " ".join(f"{k}={v}" for k, v in _plan_mesh(cfg, cfg.plan).shape.items())
     chip = plan.chip_for(cfg.plan)
-    print(f"jax_cp plan: one training step of {cfg.model} on {cfg.plan} ({chip.device_kind}), "
+    source = f" (--init-from {cfg.init_from}: its config.json, no weights read)" if cfg.init_from else ""
+    print(f"jax_cp plan: one training step of {cfg.model_name}{source} on {cfg.plan} ({chip.device_kind}), "
           f"mesh {mesh}\nB={cfg.batch} S={cfg.seq_len} dtype={cfg.dtype} fsdp={cfg.fsdp and cfg.fsdp_axes} "
           f"remat={cfg.remat} "
           f"kernel={cfg.kernel} kv_exchange={cfg.kv_exchange} overlap_chunks={cfg.overlap_chunks} "
@@ -665,7 +671,7 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
     losses, eval_loss, compile_s, timed_s, n_timed, balances, exchanges = {}, None, 0.0, 0.0, 0, [], {}
     cap = _ExchangeCap()
     bar = tqdm(total=cfg.steps, initial=start, disable=not (main_process and cfg.progress), dynamic_ncols=True,
-               mininterval=1.0, file=sys.stderr, desc=f"train {cfg.model}")
+               mininterval=1.0, file=sys.stderr, desc=f"train {cfg.model_name}")
     with jax.set_mesh(s.mesh):
         for step in range(start + 1, cfg.steps + 1):
             t_step = time.perf_counter()
@@ -816,7 +822,7 @@ def main(argv=None) -> None:
     if summary.get("preempted"):
         raise SystemExit(f"preempted after step {summary['steps']}; the checkpoint is saved, rerun with --resume.")
     if jax.process_index() == 0 and summary["losses"]:
-        print(f"trained {cfg.model} steps {summary['start_step'] + 1}-{cfg.steps} on {summary['devices']} "
+        print(f"trained {cfg.model_name} steps {summary['start_step'] + 1}-{cfg.steps} on {summary['devices']} "
               f"{summary['platform']} devices: loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
               + (f"eval {summary['eval_loss']:.3f}, " if summary["eval_loss"] is not None else "")
               + f"{summary['tokens_per_s'] or float('nan'):.0f} tokens/s, "

@@ -136,3 +136,20 @@ def test_finetune_flags_are_checked(checkpoint, corpus, tmp_path):
     scaled = json.loads((checkpoint / "config.json").read_text()) | {"rope_scaling": config["rope_scaling"]}
     with pytest.raises(ValueError, match=r"already Llama 3 scaled"):
         hf.extend_context(scaled, "linear:2")
+
+
+def test_plan_reads_only_the_config(checkpoint, tmp_path, capsys):
+    """``--plan TOPOLOGY --init-from PATH`` compiles the checkpoint's model from its ``config.json`` alone: a
+    folder holding nothing else (no weights, no tokenizer, no ``--data``) plans, and the report names it."""
+    pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    shutil.copy(checkpoint / "config.json", folder / "config.json")
+    out_dir = tmp_path / "never-written"
+    train.main(["--plan", "v5e:2x4", "--init-from", str(folder), "--rope-scaling", "linear:4", "--seq-len", "256",
+                "--batch", "2", *MESH, "--kernel", "blockwise", "--out", str(out_dir)])
+    out = capsys.readouterr().out
+    for needle in (f"one training step of config-only (--init-from {folder}: its config.json, no weights read) "
+                   "on v5e:2x4", "train step config-only", "memory: total (peak)", "fits HBM budget"):
+        assert needle in out, out
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json"] and not out_dir.exists()
