@@ -588,9 +588,36 @@ def plan_train_step(cfg: TrainConfig, topology: str | None = None, *, memory_bud
     batch = {k: jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), data_lib.FIELD_DTYPES.get(k, np.int32), sharding=tokens)
              for k in fields}
     with jax.set_mesh(mesh):  # the state is donated, as train's step does: the peak counts it once
-        return plan.analyze_program(_train_step_fn(graphdef), (state, batch), topology=topology, mesh=mesh,
-                                    label=f"train step {cfg.model_name}", memory_budget=memory_budget,
-                                    xla_flags=xla_flags, donate_argnums=0)
+        a = plan.analyze_program(_train_step_fn(graphdef), (state, batch), topology=topology, mesh=mesh,
+                                 label=f"train step {cfg.model_name}", memory_budget=memory_budget,
+                                 xla_flags=xla_flags, donate_argnums=0)
+    if not a.kernel_calls:  # no splash: the compiler counted every FLOP
+        return a
+    executed = a.flops + splash_flops(cfg, model_config(cfg), jax_cp.mesh_dims(mesh))
+    return dataclasses.replace(a, executed_flops=executed, estimate=dataclasses.replace(
+        a.estimate, compute_s=executed / plan.chip_for(topology).device_flops))
+
+
+def splash_flops(cfg: TrainConfig, model_cfg, dims) -> float:
+    """Per-device FLOPs of one training step's splash kernels, which the compiler counts as none.
+
+    Per attention layer and visible (query, key) pair, ``2 d`` FLOPs per matmul and head: the forward's
+    2 matmuls, their rerun under ``--remat``, and the backward's 7 (the dq and dK/dV kernels both
+    recompute the scores). Pairs: one causal document per row (a sliding layer's window), spread
+    evenly over ``cp_colossal`` as the load-balanced orders do; heads over ``tp * cp_ulysses``, rows
+    over ``dp``.
+    """
+    S = cfg.seq_len
+    matmuls = 2 + (2 if cfg.remat else 0) + 7
+    per_pair = matmuls * 2 * model_cfg.head_dim * (cfg.batch / dims.dp) * model_cfg.num_heads / (dims.t * dims.u)
+    total = 0.0
+    for layer in range(model_cfg.num_layers):
+        if hasattr(model_cfg, "is_attention") and not model_cfg.is_attention(layer):
+            continue  # a linear layer: plain JAX, counted by the compiler
+        W = model_cfg.sliding_window if model_cfg.is_sliding(layer) else None
+        pairs = S * (S + 1) / 2 if W is None or W >= S else W * (W + 1) / 2 + (S - W) * W
+        total += per_pair * pairs / dims.c
+    return total
 
 
 def _plan_mesh(cfg: TrainConfig, topology: str):

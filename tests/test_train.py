@@ -30,7 +30,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jax_cp
 from conftest import needs_devices
 from models import data as data_lib
-from models import llama, train
+from models import hybrid, llama, train
 from util import TOL, child_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -615,6 +615,7 @@ def test_plan_one_training_step_for_a_tpu_topology(monkeypatch, capsys):
     assert m.arguments >= 3 * shard_bytes + batch_bytes and m.total >= m.arguments and m.fits
     assert m.aliased >= 3 * shard_bytes  # parameters and both AdamW moments alias the new state
     assert a.flops > 0 and a.estimate.step_s > 0
+    assert not a.kernel_calls and a.executed_flops is None  # blockwise: the compiler counts every FLOP
     cp = {ph: a.schedule.select(ph) for ph in ("fwd", "bwd")}
     both = ("cp_colossal", "cp_ulysses")
     a2a = {ph: [c.axes for c in cs if c.kind == "all-to-all"] for ph, cs in cp.items()}
@@ -740,3 +741,40 @@ def test_soft_capped_model_with_sinks_trains_like_one_device():
     assert abs(uncapped[1] - one[1]) > 1e-4
     np.testing.assert_allclose(trained_sinks[0], trained_sinks[1], **TOL[jnp.dtype(jnp.float32)])
     assert np.abs(trained_sinks[0]).max() > 1e-3
+
+
+def test_splash_flops_count_the_visible_pairs():
+    """The planned step's splash FLOPs: per attention layer, 2 d per visible (query, key) pair, head
+    and matmul (forward 2, remat 2, backward 7), the pairs counted here from jax_cp.visibility (a causal
+    layer and a sliding one), split over dp, cp_colossal and tp * cp_ulysses; linear layers add none."""
+    import dataclasses
+    import types
+
+    S, W, d = 16, 5, 8
+    causal = int(jax_cp.visibility(1, S, is_causal=True).sum())
+    sliding = int(jax_cp.visibility(1, S, is_causal=True, local_window_size=(W - 1, 0)).sum())
+    cfg = dataclasses.replace(llama.CONFIGS["tiny"], num_layers=2, num_heads=4, head_dim=d, sliding_window=W,
+                              sliding_layers=(False, True))
+    dims = jax_cp.MeshDims(dp=2, c=2, u=2, t=1)
+    run = types.SimpleNamespace(seq_len=S, batch=4, remat=True)
+    per_pair = 11 * 2 * d * (4 / 2) * (4 / 2) / 2  # matmuls, 2d, rows per dp shard, heads per device, / c
+    assert train.splash_flops(run, cfg, dims) == pytest.approx(per_pair * (causal + sliding))
+    assert train.splash_flops(types.SimpleNamespace(seq_len=S, batch=4, remat=False), cfg, dims) == pytest.approx(
+        per_pair * 9 / 11 * (causal + sliding))
+    hybrid_cfg = hybrid.get_config("hybrid-tiny")  # layers 0-2 linear, 3 attention
+    one = train.splash_flops(run, dataclasses.replace(hybrid_cfg, num_layers=4), dims)
+    assert one == pytest.approx(11 * 2 * hybrid_cfg.head_dim * 2 * hybrid_cfg.num_heads / 2 / 2 * causal)
+
+
+def test_planned_step_with_splash_counts_its_kernels():
+    """The same step with splash kernels (v5e:2x4): the compiler gives Pallas kernels no FLOPs, so the
+    estimate's compute adds train.splash_flops to the compiler's count."""
+    pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
+    from jax_cp import plan
+
+    cfg = train.TrainConfig(**(PLAN | dict(kernel="splash", kv_exchange="auto", overlap_chunks="auto")))
+    a = train.plan_train_step(cfg, "v5e:2x4")
+    assert a.kernel_calls, a.kernel  # splash ran
+    dims = jax_cp.MeshDims(dp=1, c=2, u=2, t=2)
+    assert a.executed_flops == a.flops + train.splash_flops(cfg, train.model_config(cfg), dims) > a.flops
+    assert a.estimate.compute_s == pytest.approx(a.executed_flops / plan.chip_for("v5e:2x4").device_flops)
