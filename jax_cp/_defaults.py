@@ -65,12 +65,16 @@ RULES = {
 # With the splash kernel in the layer (what kernel="auto" runs on TPU): its custom calls schedule
 # differently from the blockwise kernel's fusions, so it has a rule of its own (benchmarks/RESULTS.md,
 # defaults with splash; bytes fwd / bwd at S = 8K, 32K and 128K); kinds absent here keep the blockwise entry.
+# "<kind>, t=1": the entry for layouts without tp, where it differs (more heads per device, no tp psum).
 SPLASH_RULES = {
     "v5e": {"ulysses": (AllGather(), 2, 1, "v5e (1,4,2) with splash 1.00 / 1.00, v5e:2x4 (1,4,2) 1.00 / 1.00"),
             "hybrid": (AllToAll(), 2, 0, "v5e (2,2,4) with splash 1.00 / 1.00")},
     "v5p": {"ulysses": (AllGather(), 2, 2, "v5p (1,4,4) with splash 1.00 / 1.00 at S = 8K and 32K"),
             "hybrid": (Ring(), 2, 1, "v5p (4,4,4) with splash 1.00 / 1.00 in bytes and time (forward "
-                                     "time 0.87 with positions passed)")},
+                                     "time 0.87 with positions passed)"),
+            # without tp both fused chunks leave the second fused all-to-all empty from B = 32 (0.70 / 1.00)
+            "ulysses, t=1": (AllGather(), 2, 1, "v5p (1,4,1) with splash 1.00 / 1.00 in bytes and time at "
+                                                "S = 8K, 32K and 128K with B = 16, and at 8K with B = 32 and 64")},
 }
 # Long sequences with splash: from this many tokens per device (S / (c u)) on, the entry replaces the
 # SPLASH_RULES one: the attention kernels outgrow the projections, and the schedule changes with them.
@@ -127,7 +131,8 @@ def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads
     ``kv_bytes_per_device``: all-gathered K/V of one layer on one device; with
     ``hbm_bytes`` it decides whether the O(S/c) ring is needed. ``kernel``: the local kernel the
     layer runs (``"splash"`` takes ``SPLASH_RULES`` where they have the layout kind, and
-    ``SPLASH_LONG_RULES`` from their ``tokens_per_device``, ``S / (c u)``, on).
+    ``SPLASH_LONG_RULES`` from their ``tokens_per_device``, ``S / (c u)``, on). A table's
+    ``"<kind>, t=1"`` entry, where there is one, is the rule for ``t == 1``.
     """
     if c == 1 and u == 1:
         return Choice(AllGather(), 1, 0, "no context parallelism: nothing to hide")
@@ -142,7 +147,7 @@ def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads
         long = SPLASH_LONG_RULES.get(known, {}).get(kind)
         if long and tokens_per_device and tokens_per_device >= long[0]:
             table = table | {kind: long[1]}
-    exchange, n, fused, measured = table[kind]
+    exchange, n, fused, measured = (t == 1 and table.get(f"{kind}, t=1")) or table[kind]
     why = (f"measured {measured}" + ("" if chip in RULES else f" (chip {chip or 'unknown'}: the {TPU_FALLBACK} rule)")
            + f" [{known} = {MEASURED_AT[known]}]")
     claim = _measured_overlap(measured)

@@ -209,6 +209,25 @@ def test_defaults_hide_the_llama_layer_on_v5p():
     assert overlap == (1.0, 1.0) and r.analysis.covered("fwd") == r.analysis.covered("bwd") == 1.0
 
 
+def test_defaults_hide_the_ulysses_layer_without_tp_on_v5p():
+    """v5p:4x4x4 Ulysses (1,4,1) (dp=16), Llama-3-8B attention dims, splash, nothing set: the rule's
+    ``"ulysses, t=1"`` entry (2 chunks, only the first fused) puts every CP collective of forward and
+    backward around compute, in bytes and in transfer time. With tp=1 each device holds 8 query heads;
+    with both chunks fused (the (1,4,4) entry) the second chunk's Q/K/V all-to-all had nothing inside
+    from two sequences per replica on (0.50 / 1.00 here, 0.70 / 1.00 at S=8K with B=32 and 64). S=2048
+    keeps the compile short; the rule was measured at 8K, 32K and 128K (jax_cp._defaults)."""
+    v5p = dict(platform="tpu", chip="v5p", c=1, u=4, num_heads=32, kernel="splash")
+    pick = lambda **k: (lambda ch: (ch.kv_exchange, ch.overlap_chunks, ch.fused_qkv_chunks))(choose(**k))  # noqa: E731
+    assert pick(**v5p, t=1) == pick(**v5p, t=1, tokens_per_device=32768) == (AG, 2, 1)
+    assert pick(**v5p, t=4) == (AG, 2, 2) and pick(**{**v5p, "kernel": "blockwise"}, t=1) == (AG, 2, 2)
+    pytest.importorskip("libtpu", reason="the TPU schedule comes from the libtpu wheel's compiler")
+    r, cp, overlap = _overlaps((1, 4, 1), "v5p:4x4x4", "auto", model="llama3-8b", seq_len=2048, batch=32)
+    assert r.analysis.kernel.startswith("splash"), r.analysis.kernel
+    assert (r.layer.kv_exchange, r.layer.overlap_chunks, r.layer.fused_qkv_chunks) == ("all_gather", 2, 1)
+    assert cp and all(c.overlapped for c in cp), [(c.phase, c.name) for c in cp if not c.overlapped]
+    assert overlap == (1.0, 1.0) and r.analysis.covered("fwd") == r.analysis.covered("bwd") == 1.0
+
+
 def test_recommended_flags_for_this_host():
     """models.train applies plan's flags before JAX starts: TPU (libtpu installed) with the chip from
     TPU_ACCELERATOR_TYPE, nothing on a CPU-only run, and flags the user set keep their value."""
