@@ -2,8 +2,9 @@
 each parameter's tensor name and layout.
 
 Llama 3.x (``LlamaForCausalLM``, RoPE scaling ``llama3`` or ``linear``, tied embeddings), Qwen 3
-(``Qwen3ForCausalLM``: QK-norm, a ``head_dim`` of its own) and Gemma 3 text (``Gemma3ForCausalLM``:
-``1 + w`` norms, a scaled embedding, post norms, GELU, sliding and global layers with their own RoPE).
+(``Qwen3ForCausalLM``: QK-norm, a ``head_dim`` of its own), Gemma 3 text (``Gemma3ForCausalLM``:
+``1 + w`` norms, a scaled embedding, post norms, GELU, sliding and global layers with their own RoPE) and
+Mistral (``MistralForCausalLM``: Llama's tensors; ``sliding_window``, where set, in every layer).
 A ``config.json`` value the model cannot honour raises a ``ValueError`` naming the key.
 Letters: D model width, H query heads, K kv heads, d head dim, F MLP width, V vocabulary.
 """
@@ -39,6 +40,8 @@ FAMILIES = {f.name: f for f in (
         rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=True, head_dim=256,
         hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, rope_local_base_freq=10_000.0,
         sliding_window=4096, sliding_window_pattern=6)),
+    Family("mistral", "MistralForCausalLM", "mistral", dict(  # sliding_window: 4096 if missing, none if null
+        rms_norm_eps=1e-6, rope_theta=10_000.0, tie_word_embeddings=False, hidden_act="silu", sliding_window=4096)),
 )}
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -106,6 +109,8 @@ def _sliding_layers(hf: dict, family: Family, n: int) -> tuple[bool, ...] | None
     if types is None and family.name == "gemma3":
         pattern = _get(hf, family, "sliding_window_pattern")
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if family.name == "mistral":
+        return _mistral_sliding(hf, types, n)
     if types is None and family.name == "qwen3" and hf.get("use_sliding_window") and hf.get("sliding_window"):
         types = ["sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention" for i in range(n)]
     if types is None:
@@ -120,18 +125,41 @@ def _sliding_layers(hf: dict, family: Family, n: int) -> tuple[bool, ...] | None
     return sliding if any(sliding) else None
 
 
+def _mistral_window(hf: dict) -> int | None:
+    """Mistral's ``sliding_window`` (missing: MistralConfig's 4096; null: none); a query sees ``W`` keys,
+    ``p_q - p_k < W``, as transformers' ``sliding_window_overlay`` and ``LlamaConfig.sliding_window``."""
+    w = hf.get("sliding_window", FAMILIES["mistral"].defaults["sliding_window"])
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+        raise ValueError(f"config.json sliding_window={w!r} is not supported; a MistralForCausalLM's is a positive "
+                         "integer or null.")
+    return w
+
+
+def _mistral_sliding(hf: dict, types, n: int) -> None:
+    """Mistral slides in every layer (``sliding_layers`` None); ``layer_types`` may only say the same."""
+    window = _mistral_window(hf)
+    same = ["full_attention" if window is None else "sliding_attention"] * n
+    if types is not None and list(types) != same:
+        raise ValueError(f"config.json layer_types={types} is not supported: MistralForCausalLM applies "
+                         f"sliding_window={window} to every layer (layer_types {same}); alternating layers are "
+                         "Ministral's.")
+    return None
+
+
 def _check_supported(hf: dict, family: Family) -> None:
     """Refuses the ``config.json`` values the model cannot honour, naming the key."""
     _refuse(hf, "attention_bias", (False,), "no attention biases")
     _refuse(hf, "mlp_bias", (False,), "no MLP biases")
     _refuse(hf, "partial_rotary_factor", (1.0,), "RoPE rotates the whole head")
     _refuse(hf, "use_bidirectional_attention", (False, None), "causal decoders only")
+    if family.name == "mistral":
+        _refuse(hf, "rope_scaling", (None,), "MistralConfig has no RoPE scaling")
     act_key = "hidden_activation" if family.name == "gemma3" else "hidden_act"
     if _get(hf, family, act_key) not in _ACTIVATIONS:
         raise ValueError(f"config.json {act_key}={_get(hf, family, act_key)!r} is not supported; supported: "
                          f"{sorted(_ACTIVATIONS)}.")
     eps = float(_get(hf, family, "rms_norm_eps"))
-    if family.name != "llama" and eps != QK_NORM_EPS:
+    if family.name in ("qwen3", "gemma3") and eps != QK_NORM_EPS:
         raise ValueError(f"config.json rms_norm_eps={eps} is also the QK-norm epsilon of a {family.architecture}, "
                          f"which jax_cp fixes at {QK_NORM_EPS}; use rms_norm_eps={QK_NORM_EPS}.")
 
@@ -156,7 +184,9 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         tie_embeddings=bool(_get(hf, family, "tie_word_embeddings")),
         sliding_window=None if sliding is None else int(_get(hf, family, "sliding_window")),
         sliding_layers=sliding)
-    if family.name == "llama":
+    if family.name == "mistral":
+        common["sliding_window"] = _mistral_window(hf)
+    if family.name in ("llama", "mistral"):
         return LlamaConfig(**common)
     if family.name == "qwen3":
         return LlamaConfig(**common, use_qk_norm=True)
@@ -178,7 +208,9 @@ def config_to_hf(cfg: LlamaConfig, family: str | Family, base: dict | None = Non
                intermediate_size=cfg.d_ff, rms_norm_eps=cfg.norm_eps, rope_theta=theta, rope_scaling=scaling,
                tie_word_embeddings=cfg.tie_embeddings)
     hf.pop("layer_types", None)
-    if cfg.sliding_window is not None:
+    if family.name == "mistral":  # every layer slides, or none; null written out (missing means 4096)
+        hf["sliding_window"] = cfg.sliding_window
+    elif cfg.sliding_window is not None:
         hf |= dict(sliding_window=cfg.sliding_window, layer_types=[
             "sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.num_layers)])
         if family.name == "qwen3":
