@@ -1,7 +1,7 @@
-"""A plain NumPy (float64) forward of Hugging Face's Llama, Qwen 3 and Gemma 3 text decoders.
+"""A plain NumPy (float64) forward of Hugging Face's Llama, Qwen 3, Gemma 3 text and Mistral decoders.
 
 Written from transformers' PyTorch modeling code (``modeling_llama.py``, ``modeling_qwen3.py``,
-``modeling_gemma3.py``, ``modeling_rope_utils.py``, 4.57) and read straight from a checkpoint's
+``modeling_gemma3.py``, ``modeling_mistral.py``, ``masking_utils.py``, ``modeling_rope_utils.py``, 4.57) and read straight from a checkpoint's
 ``config.json`` and its tensors under their public names, independently of ``models.hf`` and
 ``models.families``. Every tensor the forward reads is recorded in ``used``, so a test can check that
 the checkpoint holds nothing else. Letters: S sequence, D width, H heads, K kv heads, d head dim.
@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-GEMMA3, QWEN3 = "Gemma3ForCausalLM", "Qwen3ForCausalLM"
+GEMMA3, QWEN3, MISTRAL = "Gemma3ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"
 
 
 def llama3_inv_freq(theta: float, dim: int, s: dict) -> np.ndarray:
@@ -46,6 +46,8 @@ class Reference:
         self.gemma = GEMMA3 in config["architectures"]
         self.qk_norm = self.gemma or QWEN3 in config["architectures"]
         self.eps = config["rms_norm_eps"]
+        self.mistral = MISTRAL in config["architectures"]
+        self.window = config.get("sliding_window", 4096 if self.mistral else None)  # MistralConfig's default
 
     def w(self, name: str) -> np.ndarray:
         self.used.add(name)
@@ -69,12 +71,15 @@ class Reference:
         return x_SHd * cos + rotated * sin
 
     def is_sliding(self, layer: int) -> bool:
+        if self.mistral:  # every layer, where sliding_window is set
+            return self.window is not None
         types = self.c.get("layer_types")
         return bool(types) and types[layer] == "sliding_attention"
 
     def attention(self, x_SD, layer: int):
         c, p = self.c, f"model.layers.{layer}.self_attn."
-        H, K, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        H, K = c["num_attention_heads"], c["num_key_value_heads"]
+        d = c.get("head_dim") or c["hidden_size"] // H
         S = x_SD.shape[0]
         q = (x_SD @ self.w(p + "q_proj.weight").T).reshape(S, H, d)
         k = (x_SD @ self.w(p + "k_proj.weight").T).reshape(S, K, d)
@@ -91,7 +96,7 @@ class Reference:
         i, j = np.arange(S)[:, None], np.arange(S)[None, :]
         visible = j <= i
         if self.is_sliding(layer):
-            visible &= i - j < c["sliding_window"]
+            visible &= i - j < self.window  # sliding_window_overlay: kv_idx > q_idx - sliding_window
         s_HSS = np.where(visible[None], s_HSS, -np.inf)
         p_HSS = np.exp(s_HSS - s_HSS.max(-1, keepdims=True))
         p_HSS /= p_HSS.sum(-1, keepdims=True)
