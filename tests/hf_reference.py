@@ -1,10 +1,11 @@
 """A plain NumPy (float64) forward of Hugging Face's Llama, Qwen 3, Gemma 3 text and Mistral decoders.
 
 Written from transformers' PyTorch modeling code (``modeling_llama.py``, ``modeling_qwen3.py``,
-``modeling_gemma3.py``, ``modeling_mistral.py``, ``masking_utils.py``, ``modeling_rope_utils.py``, 4.57) and read straight from a checkpoint's
-``config.json`` and its tensors under their public names, independently of ``models.hf`` and
-``models.families``. Every tensor the forward reads is recorded in ``used``, so a test can check that
-the checkpoint holds nothing else. Letters: S sequence, D width, H heads, K kv heads, d head dim.
+``modeling_gemma3.py``, ``modeling_mistral.py``, ``masking_utils.py``, ``modeling_rope_utils.py``, 4.57)
+and read straight from a checkpoint's ``config.json`` and its tensors under their public names,
+independently of ``models.hf`` and ``models.families``. Every tensor the forward reads is recorded in
+``used``, so a test can check that the checkpoint holds nothing else. Letters: S sequence, D width,
+H heads, K kv heads, d head dim.
 """
 from __future__ import annotations
 
