@@ -1,13 +1,15 @@
-"""State passing: each rank folds its chunks into state maps, one all-gather over ``cp_colossal``
-hands every run the state of its predecessors in document order, and each rank adds what that
-state contributes.
+"""State passing: each rank folds its chunks into state maps, one exchange over ``cp_colossal``
+(an all-gather's result, sent as an all-to-all) hands every run the state of its predecessors in
+document order, and each rank adds what that state contributes.
 
 Per rank (inside ``shard_map``), for the chunk parts of :mod:`jax_cp.linear._chunk`:
 
 1. a scan over the local chunks carries the state a run would have if every ``CUT`` run started
-   from zero (``S``), and the map ``Phi`` from the state the current ``CUT`` run received to now;
-2. each exported slot's ``(Phi, S)`` at its tail token is all-gathered (the only collective);
-3. meanwhile, the outputs that need no incoming state are computed (the chunk's own ``o_intra``);
+   from zero (``S``), and the map ``Phi`` from the state the current ``CUT`` run received to now
+   (where the host knows there is no ``CUT``, the state alone: ``_local_scan_uncut``);
+2. each exported slot's ``(Phi, S)`` at its tail token goes to every rank (the only collective);
+3. meanwhile, the outputs that need no incoming state are computed (the chunk's own ``o_intra``,
+   ``q_eff S^T``, and the local factor ``q_eff Phi^T`` of what the incoming state adds);
 4. every rank composes the gathered maps in document order (a scan over the slots, sorted by
    segment id and position, restarting where a slot does not continue the one before it), so each
    ``CUT`` slot learns its incoming state ``X``, and the row's final state is read off its slot;
