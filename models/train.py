@@ -41,7 +41,8 @@ import jax_cp
 from jax_cp import load_balance
 from models import data as data_lib
 from models import hf
-from models.hybrid import abstract_model, get_config, model_class
+from jax_cp.linear import _cp as linear_cp
+from models.hybrid import HybridConfig, abstract_model, get_config, model_class
 from models.llama import Sharding, next_token_loss
 
 __all__ = ["TrainConfig", "global_batch", "main", "parse_args", "run"]
@@ -394,7 +395,36 @@ def global_batch(s: Setup, windows: data_lib.Windows, step: int, batch: int) -> 
     dual = None if s.dual_chunk is None else measure(True)
     return data_lib.place(local, s.batch_sharding, batch, order=order), {"imbalance": used,
                                                                          "imbalance_dual_chunk": dual,
-                                                                         "kv_exchange": exchange}
+                                                                         "kv_exchange": exchange,
+                                                                         "slots": _slots(local, order, dims)}
+
+
+def _slots(local: dict, order, dims) -> tuple[int, int] | None:
+    """The state slots a linear layer needs for these rows in this order (``None`` without CP): over
+    ``cp_colossal`` (the state passing) and over both CP axes (the convolution's halo)."""
+    if dims.c * dims.u == 1:
+        return None
+    pos, seg = (local[k] if order is None else local[k][:, order] if np.ndim(order) == 1
+                else np.take_along_axis(local[k], order, axis=1) for k in ("positions", "segment_ids"))
+    return linear_cp.needed_pieces(pos, seg, dims.c), linear_cp.needed_pieces(pos, seg, dims.c * dims.u)
+
+
+def check_linear_slots(model_cfg, slots: tuple[int, int] | None, seq_len: int, dims) -> None:
+    """A hybrid model's linear layers hold ``linear_max_pieces`` state slots per rank (traced metadata:
+    the library's default where ``None``); a batch order needing more would come out NaN inside the
+    step, so it is a ValueError here, on the host, first."""
+    if slots is None or not isinstance(model_cfg, HybridConfig):
+        return
+    for need, ranks, what in ((slots[0], dims.c, "cp_colossal rank (state passing)"),
+                              (slots[1], dims.c * dims.u, "CP device (convolution halo)")):
+        have = model_cfg.linear_max_pieces
+        have = min(have, max(seq_len // dims.c, 1)) if have is not None else min(seq_len // ranks,
+                                                                                   linear_cp.DEFAULT_PIECES)
+        if need > have:
+            raise ValueError(f"linear_max_pieces={model_cfg.linear_max_pieces} gives {have} state slots per {what}, "
+                             f"but this batch's order needs {need}: its linear layers would return NaN. Use a "
+                             f"HybridConfig with linear_max_pieces={need} or more (a dispatch plan needs at most "
+                             "twice its chunks per rank, plus one).")
 
 
 def _planned_exchange(plans: list[load_balance.Dispatch]):
@@ -648,6 +678,7 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
     t0 = time.perf_counter()
     main_process = jax.process_index() == 0
     out = Path(cfg.out)
+    model_cfg = model_config(cfg)
     tx, schedule = make_optimizer(cfg)
     with jax.set_mesh(s.mesh):
         graphdef, state = nnx.split(nnx.jit(_init_fn(cfg, s.mesh, tx))())
@@ -703,6 +734,7 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
         for step in range(start + 1, cfg.steps + 1):
             t_step = time.perf_counter()
             batch, balance = global_batch(s, s.train_windows, step - 1, cfg.batch)
+            check_linear_slots(model_cfg, balance.pop("slots"), cfg.seq_len, jax_cp.mesh_dims(s.mesh))
             exchange, programs = cap(balance.pop("kv_exchange")), train_step._cache_size()
             state, metrics = train_step(state, batch, kv_exchange=exchange)
             loss = float(metrics["loss"])

@@ -3,6 +3,7 @@ caches, ``models.train --model hybrid-tiny`` on a (2, 2, 2) mesh with FSDP and d
 rows equal to one device, and ``models.generate`` from the checkpoint it wrote equal to the training
 path's greedy continuation. Losses are compared in float32 with the float32 tolerance.
 """
+import dataclasses
 import re
 
 import jax
@@ -92,3 +93,22 @@ def test_bad_flags_one_line(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(message, err), err
+
+
+def test_a_batch_needing_more_state_slots_than_the_model_holds_is_a_value_error():
+    """The trainer counts each batch's state slots on the host (``global_batch``) and refuses an order
+    that needs more than the linear layers hold, naming linear_max_pieces, before the step would
+    return NaN; the library's default (``None``: min(S/ranks, 16)) is checked the same way."""
+    cfg = dataclasses.replace(hybrid.get_config("hybrid-tiny"), linear_max_pieces=2)
+    dims = jax_cp.MeshDims(dp=1, c=2, u=2, t=2)
+    train.check_linear_slots(cfg, (2, 2), 64, dims)  # fits
+    with pytest.raises(ValueError, match=r"linear_max_pieces=2 gives 2 state slots per cp_colossal rank \(state "
+                                         r"passing\), but this batch's order needs 3: .* linear_max_pieces=3 or more"):
+        train.check_linear_slots(cfg, (3, 2), 64, dims)
+    with pytest.raises(ValueError, match=r"per CP device \(convolution halo\), but this batch's order needs 5"):
+        train.check_linear_slots(cfg, (2, 5), 64, dims)
+    default = dataclasses.replace(cfg, linear_max_pieces=None)
+    train.check_linear_slots(default, (16, 16), 64, dims)
+    with pytest.raises(ValueError, match=r"linear_max_pieces=None gives 16 state slots per cp_colossal rank"):
+        train.check_linear_slots(default, (17, 3), 64, dims)
+    train.check_linear_slots(hybrid.get_config("tiny"), (99, 99), 64, dims)  # no linear layers: nothing to check

@@ -280,8 +280,11 @@ def test_global_batch_in_the_dispatch_order_of_each_row(short_docs, monkeypatch)
         np.testing.assert_array_equal(np.asarray(trained[k]), np.concatenate([w[k] for w in shard_want]), err_msg=k)
     fixed = jax_cp.load_balance.fixed(natural["segment_ids"], mesh, positions=natural["positions"])
     np.testing.assert_array_equal(fixed.perm, np.broadcast_to(dual, (B, S)))
+    # the state slots a hybrid model's linear layers need for the batch as built (train.check_linear_slots)
+    slots = tuple(jax_cp.linear._cp.needed_pieces(np.asarray(trained["positions"]), np.asarray(trained["segment_ids"]),
+                                                  ranks) for ranks in (2, 4))
     assert balance == {"imbalance": max(d.imbalance() for d in plans), "imbalance_dual_chunk": fixed.imbalance(),
-                       "kv_exchange": None}  # the trainer's setup asks for the plans' exchange (per_batch_exchange)
+                       "kv_exchange": None, "slots": slots}  # kv_exchange: the setup asks for none per batch
 
     rows, cols = np.array([2, 3]), np.arange(8, 24)  # dp shard 1; the columns of CP devices 1 and 2
     monkeypatch.setattr(data_lib, "_process_indices", lambda sharding, shape: (rows, cols))
