@@ -41,7 +41,7 @@ import jax_cp
 from jax_cp import load_balance
 from models import data as data_lib
 from models import hf
-from jax_cp.linear import _cp as linear_cp
+from jax_cp import linear
 from models.hybrid import HybridConfig, abstract_model, get_config, model_class
 from models.llama import Sharding, next_token_loss
 
@@ -406,7 +406,7 @@ def _slots(local: dict, order, dims) -> tuple[int, int] | None:
         return None
     pos, seg = (local[k] if order is None else local[k][:, order] if np.ndim(order) == 1
                 else np.take_along_axis(local[k], order, axis=1) for k in ("positions", "segment_ids"))
-    return linear_cp.needed_pieces(pos, seg, dims.c), linear_cp.needed_pieces(pos, seg, dims.c * dims.u)
+    return linear.needed_pieces(pos, seg, dims.c), linear.needed_pieces(pos, seg, dims.c * dims.u)
 
 
 def check_linear_slots(model_cfg, slots: tuple[int, int] | None, seq_len: int, dims) -> None:
@@ -419,7 +419,7 @@ def check_linear_slots(model_cfg, slots: tuple[int, int] | None, seq_len: int, d
                               (slots[1], dims.c * dims.u, "CP device (convolution halo)")):
         have = model_cfg.linear_max_pieces
         have = min(have, max(seq_len // dims.c, 1)) if have is not None else min(seq_len // ranks,
-                                                                                   linear_cp.DEFAULT_PIECES)
+                                                                                   linear.DEFAULT_PIECES)
         if need > have:
             raise ValueError(f"linear_max_pieces={model_cfg.linear_max_pieces} gives {have} state slots per {what}, "
                              f"but this batch's order needs {need}: its linear layers would return NaN. Use a "

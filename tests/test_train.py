@@ -281,7 +281,7 @@ def test_global_batch_in_the_dispatch_order_of_each_row(short_docs, monkeypatch)
     fixed = jax_cp.load_balance.fixed(natural["segment_ids"], mesh, positions=natural["positions"])
     np.testing.assert_array_equal(fixed.perm, np.broadcast_to(dual, (B, S)))
     # the state slots a hybrid model's linear layers need for the batch as built (train.check_linear_slots)
-    slots = tuple(jax_cp.linear._cp.needed_pieces(np.asarray(trained["positions"]), np.asarray(trained["segment_ids"]),
+    slots = tuple(jax_cp.linear.needed_pieces(np.asarray(trained["positions"]), np.asarray(trained["segment_ids"]),
                                                   ranks) for ranks in (2, 4))
     assert balance == {"imbalance": max(d.imbalance() for d in plans), "imbalance_dual_chunk": fixed.imbalance(),
                        "kv_exchange": None, "slots": slots}  # kv_exchange: the setup asks for none per batch

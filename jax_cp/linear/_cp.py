@@ -103,10 +103,24 @@ def placed_meta(positions, segment_ids, batch: int, seq_len: int, mesh, lay: Lay
 
 
 def needed_pieces(pos_BS: np.ndarray, seg_BS: np.ndarray, c: int) -> int:
-    """The state slots the busiest of ``c`` ranks needs (``_topology``'s rule, on the host): per rank,
-    the runs it exports (their successor lives elsewhere, or the row's final token) and the runs it
-    receives (their predecessor lives elsewhere), whichever is more."""
-    return _host_count(pos_BS, seg_BS, c)[0]
+    """The state slots (``max_pieces``) the busiest of ``c`` ranks needs for rows in this order.
+
+    Counted on the host as the layers count them: per rank, the runs it exports (their successor
+    lives elsewhere, or the row's final token) and the runs it receives (their predecessor lives
+    elsewhere), whichever is more. A trainer that builds its batches' order on the host can check
+    them against a layer's ``max_pieces`` before a traced step would return NaN.
+
+    Args:
+        pos_BS, seg_BS: ``[B, S]`` NumPy ints, each token's position and document id, in the order the
+            layer receives them (natural, dual-chunk, a dispatch plan's).
+        c: the ranks the sequence is split over: ``cp_colossal`` for the state passing of
+            :func:`jax_cp.linear.gated_delta_rule` and :func:`jax_cp.linear.mamba2_ssd`,
+            ``cp_colossal * cp_ulysses`` for the halo of :func:`jax_cp.linear.causal_conv1d`.
+
+    Returns:
+        The largest count over the rows and ranks, an ``int``.
+    """
+    return _host_count(np.asarray(pos_BS), np.asarray(seg_BS), c)[0]
 
 
 def _host_count(pos_BS: np.ndarray, seg_BS: np.ndarray, c: int) -> tuple[int, bool]:
