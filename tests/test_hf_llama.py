@@ -3,9 +3,9 @@
 The reference is transformers' ``FlaxLlamaForCausalLM`` (4.57; JAX, no torch), whose RoPE table
 always uses base 10000 without scaling: the tests hand it the Llama 3.1 frequencies through its
 ``create_sinusoidal_positions`` hook, computed in NumPy from Hugging Face's
-``_compute_llama3_parameters`` (``hf_reference.llama3_inv_freq``). Its random parameters are written as the public checkpoint layout
-(``[out, in]`` ``weight`` matrices under the PyTorch names) by this file, independently of
-``models.hf``; logits must agree at the float32 tolerance on every mesh.
+``_compute_llama3_parameters`` (``hf_reference.llama3_inv_freq``). Its random parameters are written as
+the public checkpoint layout (``[out, in]`` ``weight`` matrices under the PyTorch names) by
+``hf_flax``, independently of ``models.hf``; logits must agree at the float32 tolerance on every mesh.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from jax.sharding import AxisType
 import jax_cp
 from conftest import needs_devices
 import hf_reference
+from hf_flax import random_causal_lm, write_public_layout
 from hf_util import logits_of, mesh_of
 from models import families, hf
 from util import assert_close
@@ -34,15 +35,6 @@ LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fac
 MESHES = [(1, 1, 1), (2, 2, 2), (4, 2, 1)]  # (cp_colossal, cp_ulysses, tp)
 
 
-def sinusoids(inv_freq: np.ndarray):
-    """A ``create_sinusoidal_positions`` for FlaxLlama with the given frequencies (its own layout)."""
-    def create(num_pos, dim):
-        freqs = np.einsum("i , j -> i j", np.arange(num_pos), inv_freq).astype("float32")
-        emb = np.concatenate((freqs, freqs), axis=-1)
-        return jnp.array(np.concatenate((np.sin(emb)[:, None, :], np.cos(emb)[:, None, :]), axis=-1))
-    return create
-
-
 def hf_config(**kw) -> dict:
     base = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=96, hidden_size=32,
                 intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -53,40 +45,11 @@ def hf_config(**kw) -> dict:
 
 def flax_reference(config: dict, monkeypatch, seed=0):
     """FlaxLlama with random parameters (norms too) and the config's RoPE frequencies."""
-    cfg, d = transformers.LlamaConfig(**config), config["head_dim"]
+    d = config["head_dim"]
     inv = hf_reference.llama3_inv_freq(config["rope_theta"], config["head_dim"], config["rope_scaling"]) if config.get(
         "rope_scaling") else (1.0 / config["rope_theta"] ** (np.arange(0, d, 2) / d)).astype(np.float32)
-    monkeypatch.setattr(modeling_flax_llama, "create_sinusoidal_positions", sinusoids(inv))
-    with jax.numpy_rank_promotion("allow"):
-        model = modeling_flax_llama.FlaxLlamaForCausalLM(cfg, seed=seed, dtype=jnp.float32)
-    leaves, tree = jax.tree.flatten(model.params)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    leaves = [(1 + 0.2 * jax.random.normal(k, x.shape)) if x.ndim == 1 else 0.3 * jax.random.normal(k, x.shape)
-              for k, x in zip(keys, leaves)]
-    params = jax.tree.unflatten(tree, leaves)
-    if config["tie_word_embeddings"]:  # FlaxLlama has no tying: its head is set to the embedding's transpose
-        params["lm_head"]["kernel"] = params["model"]["embed_tokens"]["embedding"].T
-    model.params = params
-    return model
-
-
-def write_public_layout(model, config: dict, folder) -> None:
-    """FlaxLlama's parameters as a Hugging Face checkpoint: PyTorch names, ``[out, in]`` weights."""
-    p, out = model.params, {}
-    out["model.embed_tokens.weight"] = p["model"]["embed_tokens"]["embedding"]
-    out["model.norm.weight"] = p["model"]["norm"]["weight"]
-    if not config["tie_word_embeddings"]:
-        out["lm_head.weight"] = p["lm_head"]["kernel"].T
-    for i, layer in p["model"]["layers"].items():
-        for group in ("self_attn", "mlp"):
-            for name, dense in layer[group].items():
-                out[f"model.layers.{i}.{group}.{name}.weight"] = dense["kernel"].T
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            out[f"model.layers.{i}.{name}.weight"] = layer[name]["weight"]
-    folder.mkdir(parents=True, exist_ok=True)
-    safetensors_numpy.save_file({k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in out.items()},
-                                folder / "model.safetensors", metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config))
+    return random_causal_lm(modeling_flax_llama, modeling_flax_llama.FlaxLlamaForCausalLM,
+                            transformers.LlamaConfig(**config), inv, config["tie_word_embeddings"], monkeypatch, seed)
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Mistral checkpoints (``MistralForCausalLM``) in the Hugging Face layout, loaded onto CP meshes.
 
 The checkpoints are transformers' ``FlaxMistralForCausalLM`` (4.57) with random parameters (norms
-too), GQA and ``rope_theta`` 1e6, written as the public layout by ``test_hf_llama.write_public_layout``
+too), GQA and ``rope_theta`` 1e6, written as the public layout by ``hf_flax.write_public_layout``
 (the parameter trees are FlaxLlama's). Flax Mistral's masks are not PyTorch's: its
 ``triu(causal, k=-sliding_window)`` lets a query see ``sliding_window + 1`` keys where PyTorch's
 ``sliding_window_overlay`` (``kv_idx > q_idx - sliding_window``) and flash attention's
@@ -10,7 +10,7 @@ So a window is checked against ``hf_reference`` (PyTorch's rule), which
 ``test_flax_mistral_masks_are_pytorchs_shifted_by_one`` ties to Flax at ``W - 1``; a null window
 against Flax given ``sliding_window=max_position_embeddings`` (causal, nothing slides within 64).
 Flax Mistral also ignores ``rope_theta`` and ``head_dim``: its RoPE table is patched in as
-test_hf_llama's, and ``head_dim`` is hidden/heads.
+FlaxLlama's (``hf_flax``), and ``head_dim`` is hidden/heads.
 """
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ import pytest
 
 import hf_reference
 from conftest import needs_devices
+from hf_flax import random_causal_lm, write_public_layout
 from hf_util import logits_of, mesh_of
 from models import families, hf
 from util import assert_close
 
 transformers = pytest.importorskip("transformers", reason="the reference needs transformers (pip install -e '.[test]')")
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="needs safetensors (pip install -e '.[hf]')")
-from test_hf_llama import sinusoids, write_public_layout  # noqa: E402
 from transformers.models.mistral import modeling_flax_mistral  # noqa: E402
 
 MESHES = [(1, 1, 1), (2, 2, 2), (4, 2, 1)]  # (cp_colossal, cp_ulysses, tp)
@@ -49,19 +49,8 @@ def flax_mistral(config: dict, monkeypatch, seed=0):
     """FlaxMistral with random parameters and the config's RoPE base; Flax's own sliding-window rule."""
     d = config["hidden_size"] // config["num_attention_heads"]
     inv = (1.0 / config["rope_theta"] ** (np.arange(0, d, 2) / d)).astype(np.float32)
-    monkeypatch.setattr(modeling_flax_mistral, "create_sinusoidal_positions", sinusoids(inv))
-    with jax.numpy_rank_promotion("allow"):
-        model = modeling_flax_mistral.FlaxMistralForCausalLM(transformers.MistralConfig(**config), seed=seed,
-                                                              dtype=jnp.float32)
-    leaves, tree = jax.tree.flatten(model.params)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    leaves = [(1 + 0.2 * jax.random.normal(k, x.shape)) if x.ndim == 1 else 0.3 * jax.random.normal(k, x.shape)
-              for k, x in zip(keys, leaves)]
-    params = jax.tree.unflatten(tree, leaves)
-    if config["tie_word_embeddings"]:  # FlaxMistral has no tying: its head is set to the embedding's transpose
-        params["lm_head"]["kernel"] = params["model"]["embed_tokens"]["embedding"].T
-    model.params = params
-    return model
+    return random_causal_lm(modeling_flax_mistral, modeling_flax_mistral.FlaxMistralForCausalLM,
+                            transformers.MistralConfig(**config), inv, config["tie_word_embeddings"], monkeypatch, seed)
 
 
 def flax_logits(model, tokens):
