@@ -411,15 +411,12 @@ def _slots(local: dict, order, dims) -> tuple[int, int] | None:
 
 def check_linear_slots(model_cfg, slots: tuple[int, int] | None, seq_len: int, dims) -> None:
     """A hybrid model's linear layers hold ``linear_max_pieces`` state slots per rank (traced metadata:
-    the library's default where ``None``); a batch order needing more would come out NaN inside the
-    step, so it is a ValueError here, on the host, first."""
+    ``GatedDeltaNetSpec.held_slots``); a batch order needing more would come out NaN inside the step,
+    so it is a ValueError here, on the host, first."""
     if slots is None or not isinstance(model_cfg, HybridConfig):
         return
-    for need, ranks, what in ((slots[0], dims.c, "cp_colossal rank (state passing)"),
-                              (slots[1], dims.c * dims.u, "CP device (convolution halo)")):
-        have = model_cfg.linear_max_pieces
-        have = min(have, max(seq_len // dims.c, 1)) if have is not None else min(seq_len // ranks,
-                                                                                   linear.DEFAULT_PIECES)
+    held = model_cfg.linear.held_slots(seq_len, dims)
+    for need, have, what in zip(slots, held, ("cp_colossal rank (state passing)", "CP device (convolution halo)")):
         if need > have:
             raise ValueError(f"linear_max_pieces={model_cfg.linear_max_pieces} gives {have} state slots per {what}, "
                              f"but this batch's order needs {need}: its linear layers would return NaN. Use a "

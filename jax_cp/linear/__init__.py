@@ -11,12 +11,12 @@ and segment ids), over ``cp_ulysses`` the sequence becomes heads, ``tp`` splits 
 """
 from jax_cp.linear import reference
 from jax_cp.linear._conv import causal_conv1d, conv_step
-from jax_cp.linear._cp import DEFAULT_PIECES, needed_pieces
+from jax_cp.linear._cp import needed_pieces
 from jax_cp.linear._gated_delta import gated_delta_rule, gated_delta_step
 from jax_cp.linear._ssd import mamba2_ssd, mamba2_step
 from jax_cp.linear.module import GatedDeltaNet, GatedDeltaNetSpec, gated_deltanet, gated_deltanet_reference
 from jax_cp.linear import linen
 
-__all__ = ["DEFAULT_PIECES", "GatedDeltaNet", "GatedDeltaNetSpec", "causal_conv1d", "conv_step", "gated_delta_rule",
+__all__ = ["GatedDeltaNet", "GatedDeltaNetSpec", "causal_conv1d", "conv_step", "gated_delta_rule",
            "gated_delta_step", "gated_deltanet", "gated_deltanet_reference", "linen", "mamba2_ssd", "mamba2_step",
            "needed_pieces", "reference"]

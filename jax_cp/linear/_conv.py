@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jax_cp._mesh import COLOSSAL, CP, DP, TP, ULYSSES
 from jax_cp._vma import vary_as
 from jax_cp.linear._args import check_conv, check_state, refuse_spans
-from jax_cp.linear._cp import DEFAULT_PIECES, META, Layout, layout, placed_meta, run
+from jax_cp.linear._cp import META, Layout, layout, pieces_for, placed_meta, run
 from jax_cp.linear._recurrent import activate, conv_step
 from jax_cp.linear._topology import CONT, START, running, topology
 
@@ -62,7 +62,7 @@ def causal_conv1d(x_BSC, w_WC, *, bias_C=None, mesh=None, positions=None, segmen
     B, S, C, W = check_conv(x_BSC, w_WC, bias_C)
     lay = layout(mesh, B, S, C, 1, max_pieces, head_what="channels", heads_over_ulysses=False)
     lay = Layout(mesh, lay.c * lay.u, 1, lay.t, S // (lay.c * lay.u), 1,
-                 min(S // (lay.c * lay.u), DEFAULT_PIECES) if max_pieces is None else max_pieces)
+                 pieces_for(max_pieces, S // (lay.c * lay.u)))
     x0 = check_state("initial_state", initial_state, (B, W - 1, C), "[B, W-1, C]")
     x0 = jnp.zeros((B, W - 1, C), jnp.float32) if x0 is None else x0
     bias = jnp.zeros((C,), jnp.float32) if bias_C is None else bias_C.astype(jnp.float32)

@@ -25,7 +25,7 @@ from jax_cp.linear._chains import pass_states
 from jax_cp.linear._chunk import runs
 from jax_cp.linear._topology import CONT, topology
 
-__all__ = ["DEFAULT_PIECES", "HEADS", "META", "STATE", "Layout", "layout", "needed_pieces", "placed_meta", "run",
+__all__ = ["DEFAULT_PIECES", "HEADS", "META", "STATE", "Layout", "layout", "needed_pieces", "pieces_for", "placed_meta", "run",
            "shard_state"]
 
 DEFAULT_PIECES = 16
@@ -73,8 +73,14 @@ def layout(mesh, batch: int, seq_len: int, heads: int, chunk_size: int, max_piec
     if max_pieces is not None and (not isinstance(max_pieces, int) or isinstance(max_pieces, bool) or max_pieces < 1):
         raise ValueError(f"max_pieces={max_pieces!r} must be a positive integer (or None: min(S/c, "
                          f"{DEFAULT_PIECES})).")
-    pieces = min(L, DEFAULT_PIECES) if max_pieces is None else max_pieces
+    pieces = pieces_for(max_pieces, L)
     return Layout(mesh, c, u, t, L, min(chunk_size, L), pieces)
+
+
+def pieces_for(max_pieces, tokens_per_rank: int) -> int:
+    """The slots a layer holds per rank where its metadata are traced: ``max_pieces``, or
+    ``min(tokens per rank, DEFAULT_PIECES)`` for ``None``."""
+    return min(tokens_per_rank, DEFAULT_PIECES) if max_pieces is None else max_pieces
 
 
 def placed_meta(positions, segment_ids, batch: int, seq_len: int, mesh, lay: Layout, *, sized: bool = False):

@@ -31,6 +31,7 @@ from jax_cp._posenc import rms_norm
 from jax_cp.linear import reference
 from jax_cp.linear._args import refuse_spans
 from jax_cp.linear._conv import causal_conv1d, conv_step
+from jax_cp.linear._cp import pieces_for
 from jax_cp.linear._gated_delta import gated_delta_rule, gated_delta_step
 
 __all__ = ["CACHE_FIELDS", "CACHE_SPECS", "GatedDeltaNet", "GatedDeltaNetSpec", "gated_deltanet",
@@ -124,6 +125,18 @@ class GatedDeltaNetSpec:
             raise ValueError(f"num_k_heads={self.num_k_heads} is not divisible by tp={dims.t}; the layer splits its "
                              f"heads over tp: use a tp dividing {self.num_k_heads}, or more key heads.")
         return dims
+
+    def given_pieces(self, seq_len: int, c: int) -> int | None:
+        """``max_pieces`` as the layer passes it for ``seq_len`` tokens over ``c`` colossal ranks (at most
+        ``S / c``), or ``None``."""
+        return None if self.max_pieces is None else min(self.max_pieces, max(seq_len // c, 1))
+
+    def held_slots(self, seq_len: int, dims: MeshDims) -> tuple[int, int]:
+        """The state slots the layer holds where its metadata are traced (a training step's batch): per
+        ``cp_colossal`` rank for the state passing, per CP device for the convolution halo. An order
+        needing more (:func:`jax_cp.linear.needed_pieces`) comes out NaN there."""
+        given = self.given_pieces(seq_len, dims.c)
+        return pieces_for(given, seq_len // dims.c), pieces_for(given, seq_len // (dims.c * dims.u))
 
 
 def init_param(name: str, shape, key, dtype=F32, kernel_init=nnx.initializers.lecun_normal()):
@@ -238,7 +251,7 @@ def gated_deltanet(params: dict, x_BSD, *, spec: GatedDeltaNetSpec, mesh, dtype=
     dims = spec.check_mesh(mesh)
     t, dt = dims.t, jnp.dtype(dtype or x_BSD.dtype)
     meta = dict(positions=positions, segment_ids=segment_ids, return_state=return_state,
-                max_pieces=None if spec.max_pieces is None else min(spec.max_pieces, max(x_BSD.shape[1] // dims.c, 1)))
+                max_pieces=spec.given_pieces(x_BSD.shape[1], dims.c))
     act, w = ((DP, CP), (None,)) if is_explicit(mesh) else (None, None)  # layouts an Explicit mesh is told
     p = {n: place(a, mesh, HEADS if a.ndim == 4 else GATES)
          for n, a in _project(params, place(x_BSD, mesh, X_BSD), dt).items()}
