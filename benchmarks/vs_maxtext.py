@@ -180,6 +180,7 @@ def compile_jax_cp(a, layers: int, out: str) -> None:
         _write_compiled(out, compiled, mesh, time.perf_counter() - t0, {
             "jax": jax.__version__, "libtpu": _version("libtpu"), "flags": list(flags),
             "train_config": dataclasses.asdict(cfg)})
+        return read_program(out, chip, ("cp_colossal", "cp_ulysses"))[0]  # what the trainer reads on
 
     real = plan.analyze_program
     plan.analyze_program = analyze_program

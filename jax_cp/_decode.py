@@ -48,7 +48,7 @@ from jax_cp._projection import LinearProjections, local_kv, per_token, project
 from jax_cp._softmax import NEG, acc_dtype, fold_sinks
 from jax_cp._spec import Layout, lcm
 
-__all__ = ["CACHE_FIELDS", "EMPTY", "NO_WINDOW", "CacheLayout", "cache_layout", "check_inference", "decode_positions",
+__all__ = ["CACHE_FIELDS", "EMPTY", "NO_WINDOW", "CacheLayout", "cache_layout", "check_inference", "refuse_split", "decode_positions",
            "decode_step", "infer", "init_cache", "prefill_prompt"]
 
 EMPTY = 2**30  # the position of an empty slot: after every query, so causality hides it
@@ -457,6 +457,12 @@ def decode_step(params: dict, x_BTD, cache: dict, *, mesh, spec, dtype, local_wi
     new["cache_slots"] = cache["cache_slots"] + T
     new["cache_window"] = cache["cache_window"]
     return y, new
+
+
+def refuse_split(split_over_tp: bool, prefill: bool, decode: bool) -> None:
+    if split_over_tp and (prefill or decode):
+        raise ValueError(f"split_over_tp=True is for training calls; prefill={prefill}, decode={decode} take "
+                         "inputs_q whole over tp: pass split_over_tp=False.")
 
 
 def check_inference(spec, kv_x: tuple, prefill: bool, *, kv_positions=None, kv_segment_ids=None, segment_ids=None,

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_cp._body import attention_shard, check_dtype, kernel_for_dtype, metadata_sides, placed_metadata, shard_call
 from jax_cp._defaults import AUTO
-from jax_cp._mesh import CP, DP, TP, gather, mesh_dims, place
+from jax_cp._mesh import CP, DP, TP, gather, gather_dims, mesh_dims, place, unshard
 from jax_cp._meta import Meta
 from jax_cp._params import init_param, param_shapes
 from jax_cp._projection import LinearProjections
@@ -27,6 +27,7 @@ __all__ = ["AttentionSharding", "LayerCall", "compute_specs", "init_param", "kv_
            "gather_stored", "param_shapes", "param_specs", "storage_specs"]
 
 X_SPEC = P(DP, CP, None)
+SPLIT_X_SPEC = P(DP, CP, TP)  # split_over_tp: the features split over tp (the residual stream of a tp model)
 PARAMS = ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm",
           "sinks")
 
@@ -95,10 +96,21 @@ def storage_specs(spec: AttentionSpec, mesh, sharding: AttentionSharding | None 
     return (sharding or AttentionSharding()).resolve(_compute_specs(spec, spec.layout(mesh_dims(mesh))))
 
 
-def _layer_shard(params, x_BSD, *args, spec: AttentionSpec, layout: Layout, dtype):
+def _unshard_params(params: dict, stored: tuple, dtype) -> dict:
+    """Inside the layer's ``shard_map``: the parameters ``stored`` names (``(name, storage spec, compute spec)``)
+    all-gathered from their storage blocks (``_mesh.unshard``; kernels cast to ``dtype`` first), so each
+    one's gradient is a reduce-scatter of this device's partial sum."""
+    layouts = {name: (st, sp) for name, st, sp in stored}
+    return {k: unshard(v, *layouts[k], dtype if k.endswith("_kernel") else None) if k in layouts else v
+            for k, v in params.items()}
+
+
+def _layer_shard(params, x_BSD, *args, spec: AttentionSpec, layout: Layout, dtype, stored: tuple = (),
+                 split: bool = False):
     *kv_x, meta = args  # cross attention's K/V inputs, then the metadata
+    params = _unshard_params(params, stored, dtype)
     projections = LinearProjections.build(params, x_BSD, meta.pos, spec=spec, layout=layout, dtype=dtype,
-                                    kv_x=tuple(kv_x), kv_pos_BS=meta.kv_pos)
+                                          kv_x=tuple(kv_x), kv_pos_BS=meta.kv_pos, split=split)
     return attention_shard(projections, meta, spec=spec)
 
 
@@ -159,10 +171,16 @@ class LayerCall:
 
 def layer_call(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None, positions=None, segment_ids=None,
                local_window_size=None, scale=None, kv_x: tuple = (), kv_positions=None,
-               kv_segment_ids=None, span_ids=None, kv_span_ids=None) -> LayerCall:
+               kv_segment_ids=None, span_ids=None, kv_span_ids=None, stored: dict | None = None,
+               split_over_tp: bool = False) -> LayerCall:
     """Checks a call's inputs and prepares it (``layer_forward``'s arguments; ``span_ids``/``kv_span_ids``:
-    bidirectional span ids, ``_body.span_sides``)."""
+    bidirectional span ids, ``_body.span_sides``; ``stored``: the parameters' storage specs, by name, where
+    they are stored beyond the compute layout: those enter the ``shard_map`` as stored and are gathered
+    there, see ``_unshard_params``; ``split_over_tp``: ``x`` and the output split over tp along the features,
+    ``CPAttention``'s)."""
     _check_input("x", x_BSD, spec.in_features)
+    if split_over_tp:
+        _check_split(spec, mesh, kv_x)
     B, S, _ = x_BSD.shape
     for name, a in zip(("inputs_k", "inputs_v"), kv_x):
         _check_input(name, a, spec.in_features, B)
@@ -184,12 +202,40 @@ def layer_call(params: dict, x_BSD, *, mesh, spec: AttentionSpec, dtype=None, po
     sides = metadata_sides(positions, segment_ids, kv_positions, kv_segment_ids, B, S, S_kv)
     meta, meta_specs = placed_metadata(sides[0], sides[1], B, S, mesh, *sides[2:], spans=(span_ids, kv_span_ids))
     specs = _compute_specs(spec, layout)
-    params = {k: place(params[k], mesh, specs[k]) for k in specs}
-    args = [params, place(x_BSD, mesh, X_SPEC), *(place(a, mesh, X_SPEC) for a in kv_x), meta]
-    in_specs = [specs, X_SPEC] + [X_SPEC] * len(kv_x) + [meta_specs]
-    out_specs = (X_SPEC, P(TP)) if spec.record_max_logits else X_SPEC
-    return LayerCall(mesh, spec, layout, B, S, args, in_specs, out_specs,
-                     dict(spec=spec, layout=layout, dtype=dtype))
+    params, param_specs_, inside = _enter_params(params, specs, stored or {}, mesh)
+    x_spec = SPLIT_X_SPEC if split_over_tp else X_SPEC
+    args = [params, place(x_BSD, mesh, x_spec), *(place(a, mesh, X_SPEC) for a in kv_x), meta]
+    in_specs = [param_specs_, x_spec] + [X_SPEC] * len(kv_x) + [meta_specs]
+    out_specs = (x_spec, P(TP)) if spec.record_max_logits else x_spec
+    kwargs = dict(spec=spec, layout=layout, dtype=dtype) | ({"stored": inside} if inside else {}) | (
+        {"split": True} if split_over_tp else {})
+    return LayerCall(mesh, spec, layout, B, S, args, in_specs, out_specs, kwargs)
+
+
+def _check_split(spec: AttentionSpec, mesh, kv_x: tuple) -> None:
+    t = mesh_dims(mesh).t
+    if kv_x:
+        raise ValueError("split_over_tp=True is for self-attention; cross attention (inputs_k/inputs_v/inputs_kv) "
+                         "takes its inputs whole: pass split_over_tp=False.")
+    for name, n in (("in_features", spec.in_features), ("out_features", spec.out_features or spec.in_features)):
+        if n % t:
+            raise ValueError(f"split_over_tp=True splits the features over tp={t}, but {name}={n} is not a multiple "
+                             f"of it; pass split_over_tp=False.")
+
+
+def _enter_params(params: dict, specs: dict, stored: dict, mesh) -> tuple[dict, dict, tuple]:
+    """``(params, in_specs, inside)``: each parameter placed as it enters the layer's ``shard_map``. One
+    stored as its compute spec plus storage axes enters as stored and is gathered inside (``inside``:
+    ``(name, stored, compute)``); any other storage layout is put in the compute layout outside."""
+    placed, in_specs, inside = {}, {}, []
+    for k, sp in specs.items():
+        st = None if stored.get(k) is None else P(*stored[k])
+        if st is not None and st != sp and gather_dims(st, sp, params[k].ndim):
+            placed[k], in_specs[k] = place(params[k], mesh, st), st
+            inside.append((k, st, sp))
+        else:
+            placed[k], in_specs[k] = place(params[k] if st is None else gather(params[k], mesh, st, sp), mesh, sp), sp
+    return placed, in_specs, tuple(inside)
 
 
 def layer_forward(params: dict, x_BSD, *, mesh, **kw):

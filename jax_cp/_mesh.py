@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jax_cp._checks import check_positive_int
@@ -155,13 +157,86 @@ def _axes_of(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def gather_dims(stored: P, spec: P, rank: int) -> tuple[tuple[int, tuple[str, ...]], ...] | None:
+    """``((dim, axes), ...)``: the dimensions ``stored`` shards over ``axes`` where ``spec`` leaves them
+    whole, when ``stored`` is ``spec`` plus such axes (``()``: the same layout); else None."""
+    stored_e, spec_e = [list(p) + [None] * (rank - len(p)) for p in (stored, spec)]
+    dims = tuple((i, _axes_of(a)) for i, (a, b) in enumerate(zip(stored_e, spec_e)) if a is not None and b is None)
+    same = all(a == b for i, (a, b) in enumerate(zip(stored_e, spec_e)) if i not in dict(dims))
+    return dims if same else None
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _unshard(w, dims, dtype, summed):
+    w = w.astype(dtype)
+    for i, axes in dims:
+        w = jax.lax.all_gather(w, axes, axis=i, tiled=True)
+    return w
+
+
+def _unshard_fwd(w, dims, dtype, summed):
+    return _unshard(w, dims, dtype, summed), jnp.zeros((), w.dtype)
+
+
+def _unshard_bwd(dims, dtype, summed, res, g):
+    g = g.astype(res.dtype)  # the sum over devices in the stored dtype (float32 parameters: float32)
+    # Axes the gradient varies over (the tokens' data and CP axes) that the stored weight neither varies over
+    # nor is stored over: a plain sum.
+    extra = tuple(a for a in summed if a in _vma(g))
+    if extra:
+        g = jax.lax.psum(g, extra)
+    for i, axes in reversed(dims):
+        g = jax.lax.psum_scatter(g, axes, scatter_dimension=i, tiled=True)
+    return (g,)
+
+
+_unshard.defvjp(_unshard_fwd, _unshard_bwd)
+
+
+def unshard(w: jax.Array, stored: P, spec: P, dtype=None) -> jax.Array:
+    """Inside ``shard_map``: this device's block of a weight stored as ``stored``, all-gathered to the
+    layout ``spec`` and cast to ``dtype`` (before the gather: the bytes of ``dtype`` travel).
+
+    The weight's gradient is then this device's partial sum (its own tokens' contribution),
+    reduce-scattered over the storage axes in the stored dtype: one reduce-scatter, where
+    gathering outside the ``shard_map`` that uses the weight (:func:`gather`) makes the
+    sum over the devices an all-reduce of the whole weight first.
+
+    Args:
+        w: the local block (the ``shard_map`` input with ``in_specs`` ``stored``).
+        stored: the storage layout: ``spec`` plus storage axes (e.g. FSDP) on dimensions ``spec``
+            leaves whole.
+        spec: the compute layout.
+        dtype: the compute dtype (default: ``w``'s).
+
+    Returns:
+        The block of the weight in the layout ``spec``.
+    """
+    dims = gather_dims(stored, spec, w.ndim)
+    if dims is None:
+        raise ValueError(f"stored={stored} is not spec={spec} plus storage axes on dimensions spec leaves whole; "
+                         "store the weight in its compute layout with the storage axes added.")
+    dtype = w.dtype if dtype is None else jnp.dtype(dtype)
+    if not dims:
+        return w.astype(dtype)
+    held = set(_vma(w)) | {a for _, axes in dims for a in axes}
+    summed = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a not in held)
+    return _unshard(w, dims, dtype, summed)
+
+
+def _vma(x) -> frozenset:
+    """The mesh axes ``x`` varies over inside ``shard_map`` (its type's ``vma``)."""
+    return frozenset(getattr(jax.typeof(x), "vma", ()) or ())
+
+
 def gather(x: jax.Array, mesh: Mesh, stored: P, spec: P) -> jax.Array:
     """Gathers ``x`` from its storage layout ``stored`` into the layout ``spec``.
 
     One explicit all-gather per storage dimension inside ``shard_map``, whose
-    transpose is a reduce-scatter (``psum_scatter``): the gradient sum then
-    moves half an all-reduce's bytes (each device keeps its shard), where the
-    compiler's own resharding made it an all-reduce of the whole weight.
+    transpose is a reduce-scatter (``psum_scatter``). Outside the ``shard_map``
+    that uses the weight, the compiler first sums the gradient over the devices
+    that hold it whole (an all-reduce): where the use is inside a ``shard_map``,
+    :func:`unshard` there instead (CPAttention does).
 
     Args:
         x: the array, stored as ``stored``.
@@ -174,11 +249,8 @@ def gather(x: jax.Array, mesh: Mesh, stored: P, spec: P) -> jax.Array:
         ``x`` in the layout ``spec``. Other layouts (not ``spec`` plus storage
         axes) go through :func:`place`.
     """
-    rank = x.ndim
-    stored_e, spec_e = [list(p) + [None] * (rank - len(p)) for p in (stored, spec)]
-    dims = [(i, _axes_of(a)) for i, (a, b) in enumerate(zip(stored_e, spec_e)) if a is not None and b is None]
-    same = all(a == b for i, (a, b) in enumerate(zip(stored_e, spec_e)) if i not in dict(dims))
-    if not dims or not same:
+    dims = gather_dims(stored, spec, x.ndim)
+    if not dims:
         return place(x, mesh, spec)
 
     def shard(w):

@@ -122,7 +122,7 @@ class CPAttention(nnx.Module):
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, positions=None, segment_ids=None,
                  kv_positions=None, kv_segment_ids=None, local_window_size=None, decode: bool | None = None,
                  span_ids=None, kv_span_ids=None,
-                 prefill: bool = False, lengths=None, mask=None):
+                 prefill: bool = False, lengths=None, mask=None, split_over_tp: bool = False):
         """Self-attention over ``inputs_q [B, S, D]``, or cross attention (flax's arguments): keys from
         ``inputs_k`` and values from ``inputs_v`` (``[B, S_kv, D]``; each defaults to the one before;
         ``inputs_kv`` gives one input for both), at ``kv_positions`` with ``kv_segment_ids``.
@@ -138,13 +138,19 @@ class CPAttention(nnx.Module):
         keys' ``kv_span_ids`` for cross attention): a causal layer also lets a token see the later
         tokens of its own span (prefix-LM prompts, image tokens, video frames); prefill takes them,
         and the tokens decode generates are outside every span.
+
+        ``split_over_tp=True`` (training, self-attention): ``inputs_q`` arrives split over ``tp`` along
+        its features, ``P(dp, (cp_colossal, cp_ulysses), tp)`` (a residual stream kept split, as
+        ``models.llama`` keeps it), is all-gathered inside the layer (its gradient a reduce-scatter),
+        and the output comes back split the same way (a reduce-scatter instead of the all-reduce).
         """
         refuse_dense(mask=mask)
+        _decode.refuse_split(split_over_tp, prefill, decode if decode is not None else self.decode)
         params = {name: getattr(self, name)[...] for name in param_shapes(self.spec)}
-        params = gather_stored(params, {n: getattr(self, n).get_metadata().get("out_sharding") for n in params},
-                               self.spec, self.mesh)
+        stored = {n: getattr(self, n).get_metadata().get("out_sharding") for n in params}
         decode = self.decode if decode is None else decode
         if prefill or decode:
+            params = gather_stored(params, stored, self.spec, self.mesh)
             _decode.check_inference(self.spec, kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), prefill,
                                     kv_positions=kv_positions, kv_segment_ids=kv_segment_ids, segment_ids=segment_ids,
                                     span_ids=span_ids, kv_span_ids=kv_span_ids)
@@ -157,7 +163,8 @@ class CPAttention(nnx.Module):
                 getattr(self, name)[...] = value
             return y
         y = layer_forward(params, inputs_q, mesh=self.mesh, spec=self.spec, dtype=self.dtype, positions=positions,
-                          segment_ids=segment_ids, local_window_size=local_window_size,
+                          segment_ids=segment_ids, local_window_size=local_window_size, split_over_tp=split_over_tp,
+                          stored=stored,
                           kv_x=kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), kv_positions=kv_positions,
                           kv_segment_ids=kv_segment_ids, span_ids=span_ids, kv_span_ids=kv_span_ids)
         if self.spec.record_max_logits:

@@ -211,11 +211,17 @@ class LinearProjections:
     spec: object = dataclasses.field(metadata=dict(static=True))
     dtype: object = dataclasses.field(metadata=dict(static=True))
     tie: bool = dataclasses.field(metadata=dict(static=True))
+    split: bool = dataclasses.field(default=False, metadata=dict(static=True))  # output split over tp along D
 
     @classmethod
-    def build(cls, params, x_BSD, pos_BS, *, spec, layout, dtype, kv_x=(), kv_pos_BS=None) -> "LinearProjections":
-        """This device's share of ``params`` (compute layout) cut into chunks, with the inputs."""
+    def build(cls, params, x_BSD, pos_BS, *, spec, layout, dtype, kv_x=(), kv_pos_BS=None,
+              split: bool = False) -> "LinearProjections":
+        """This device's share of ``params`` (compute layout) cut into chunks, with the inputs. ``split``:
+        ``x_BSD`` is this tp rank's slice of the features (all-gathered here: its gradient a reduce-scatter)
+        and :meth:`finish` returns the output split the same way (a reduce-scatter, not an all-reduce)."""
         n = spec.overlap_chunks
+        if split:
+            x_BSD = lax.all_gather(x_BSD.astype(dtype), TP, axis=2, tiled=True)
         x = _varying(x_BSD.astype(dtype))  # (the order of these steps is the traced program's)
         w = {k: _varying(v) for k, v in params.items()}  # parameter dtype; cast to dtype inside each block
         wk, wv = local_kv(w["k_kernel"], layout, 1), local_kv(w["v_kernel"], layout, 1)
@@ -230,7 +236,8 @@ class LinearProjections:
             _chunks(w["q_kernel"], n, 1), _chunks(wk, n, 1), _chunks(wv, n, 1), _chunks(w["o_kernel"], n, 0),
             *(_chunks(bias, n, 0) for bias in b), _chunks(w.get("sinks"), n, 0)))
         return cls(chunks=chunks, norms=(w.get("q_norm"), w.get("k_norm"), None), o_bias=params.get("o_bias"),
-                   x=x, pos=pos, kv_x=kv_x, kv_pos=kv_pos, spec=spec, dtype=dtype, tie=spec.ties_chunks(layout.dims))
+                   x=x, pos=pos, kv_x=kv_x, kv_pos=kv_pos, spec=spec, dtype=dtype, tie=spec.ties_chunks(layout.dims),
+                   split=split)
 
     def _project(self, i, wq, idx, x=None, pos=None):
         c = self.chunks[i]
@@ -269,7 +276,11 @@ class LinearProjections:
         return lax.optimization_barrier(heads_to_model(o, self.chunks[i].wo, ULYSSES))
 
     def finish(self, y):
-        y = lax.psum(y, TP)
-        if self.o_bias is not None:
-            y = y + self.o_bias[None, None]  # once, after the psum; in the parameter dtype
+        if not self.split:
+            y = lax.psum(y, TP)
+            return y.astype(self.dtype) if self.o_bias is None else (y + self.o_bias[None, None]).astype(self.dtype)
+        y = lax.psum_scatter(y, TP, scatter_dimension=2, tiled=True)
+        if self.o_bias is not None:  # this rank's slice of it, once, after the sum
+            n = y.shape[2]
+            y = y + lax.dynamic_slice_in_dim(self.o_bias, lax.axis_index(TP) * n, n)[None, None]
         return y.astype(self.dtype)

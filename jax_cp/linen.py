@@ -86,8 +86,9 @@ class CPAttention(nn.Module):
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, positions=None, segment_ids=None,
                  kv_positions=None, kv_segment_ids=None, local_window_size=None, decode: bool | None = None,
                  span_ids=None, kv_span_ids=None,
-                 prefill: bool = False, lengths=None, mask=None):
+                 prefill: bool = False, lengths=None, mask=None, split_over_tp: bool = False):
         refuse_dense(mask=mask)
+        _decode.refuse_split(split_over_tp, prefill, self.decode if decode is None else decode)
         spec = self.spec
         specs = storage_specs(spec, self.mesh, self.sharding)
         params = {}
@@ -95,9 +96,9 @@ class CPAttention(nn.Module):
             init = lambda key, shape, dtype, name=name: _born_placed(
                 init_param(name, shape, key, dtype, self.kernel_init), self.mesh, specs[name])
             params[name] = self.param(name, nn.with_partitioning(init, tuple(specs[name])), shape, self.param_dtype)
-        params = gather_stored(params, specs, spec, self.mesh)
         decode = self.decode if decode is None else decode
         if (prefill or decode) and self.has_variable("cache", "cached_key"):
+            params = gather_stored(params, specs, spec, self.mesh)
             _decode.check_inference(spec, kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), prefill,
                                     kv_positions=kv_positions, kv_segment_ids=kv_segment_ids, segment_ids=segment_ids,
                                     span_ids=span_ids, kv_span_ids=kv_span_ids)
@@ -113,7 +114,8 @@ class CPAttention(nn.Module):
             for name, value in _decode.init_cache(spec, self.mesh, *inputs_q.shape[:2], dtype).items():
                 self.variable("cache", name, lambda value=value: value)
         y = layer_forward(params, inputs_q, mesh=self.mesh, spec=spec, dtype=self.dtype, positions=positions,
-                          segment_ids=segment_ids, local_window_size=local_window_size,
+                          segment_ids=segment_ids, local_window_size=local_window_size, split_over_tp=split_over_tp,
+                          stored=specs,
                           kv_x=kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv), kv_positions=kv_positions,
                           kv_segment_ids=kv_segment_ids, span_ids=span_ids, kv_span_ids=kv_span_ids)
         if spec.record_max_logits:

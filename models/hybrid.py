@@ -106,6 +106,7 @@ class LinearBlock(Block):
         norm = functools.partial(RMSNorm, cfg.d_model, eps=cfg.norm_eps, mesh=mesh, sharding=sharding,
                                  offset=cfg.norm_offset)
         self.attn_norm = norm()
+        self.dtype = dtype
         s = cfg.linear
         self.attn = linear.GatedDeltaNet(
             s.in_features, num_k_heads=s.num_k_heads, head_k_dim=s.head_k_dim, num_v_heads=s.num_v_heads,
@@ -129,7 +130,7 @@ class Hybrid(Llama):
                  fsdp_axes: tuple[str, ...] = (DP,), remat: bool = False, kernel: str = "auto", kv_exchange="auto",
                  overlap_chunks: int | str = "auto", fused_qkv_chunks: int | str = "auto", rngs: nnx.Rngs):
         self.cfg, self.mesh, self.dtype, self.remat = cfg, mesh, jnp.dtype(dtype), remat
-        self.sharding = sharding = Sharding(fsdp=fsdp, fsdp_axes=fsdp_axes)
+        self.sharding = sharding = llama.model_sharding(mesh, cfg.d_model, fsdp=fsdp, fsdp_axes=fsdp_axes)
         V, D = cfg.vocab_size, cfg.d_model
         self.embed = _param(mesh, sharding, nnx.initializers.normal(0.02)(rngs.params(), (V, D), jnp.float32),
                             P(llama.TP, None))

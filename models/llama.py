@@ -25,7 +25,7 @@ import jax_cp
 
 __all__ = [
     "CONFIGS", "FSDP_AXES", "Llama", "LlamaConfig", "Sharding", "abstract_model", "attention_sharding", "get_config",
-    "next_token_loss", "param_count",
+    "model_sharding", "next_token_loss", "param_count",
 ]
 
 DP, TP = "dp", "tp"
@@ -145,6 +145,7 @@ class Sharding:
     fsdp: bool = False
     fsdp_axes: tuple[str, ...] = (DP,)
     x_BSD: P = P(DP, CP, None)
+    residual_BSD: P = P(DP, CP, None)  # the residual stream between blocks (what remat keeps of each)
     h_BSF: P = P(DP, CP, TP)
     logits_BSV: P = P(DP, CP, TP)
     tokens_BS: P = P(DP, CP)
@@ -173,7 +174,7 @@ class Sharding:
 
     def decoding(self) -> "Sharding":
         """The activations of a decode step (a few new tokens): replicated over the CP axes."""
-        return dataclasses.replace(self, x_BSD=P(DP, None, None), h_BSF=P(DP, None, TP),
+        return dataclasses.replace(self, x_BSD=P(DP, None, None), residual_BSD=P(DP, None, None), h_BSF=P(DP, None, TP),
                                    logits_BSV=P(DP, None, TP), tokens_BS=P(DP, None))
 
     @staticmethod
@@ -181,6 +182,15 @@ class Sharding:
         """The layout a weight is used in: its storage layout without the FSDP axes."""
         fsdp = lambda a: a in FSDP_AXES or (isinstance(a, tuple) and set(a) <= set(FSDP_AXES))  # noqa: E731
         return P(*(None if fsdp(a) else a for a in spec))
+
+
+def model_sharding(mesh, d_model: int, *, fsdp: bool, fsdp_axes: tuple[str, ...]) -> Sharding:
+    """A model's ``Sharding``: the residual stream between blocks split over ``tp`` along D where tp divides
+    it (each block's norms run on its slice, its inputs all-gathered in the compute dtype, the MLP's output
+    reduce-scattered), so remat keeps 1/tp of each block's input."""
+    t = dict(mesh.shape).get(TP, 1)
+    residual = P(DP, CP, TP) if t > 1 and d_model % t == 0 else P(DP, CP, None)
+    return Sharding(fsdp=fsdp, fsdp_axes=fsdp_axes, residual_BSD=residual)
 
 
 def _param(mesh, sharding: Sharding, value, spec: P) -> nnx.Param:
@@ -191,8 +201,26 @@ def _param(mesh, sharding: Sharding, value, spec: P) -> nnx.Param:
 def _weight(param: nnx.Param, mesh, dtype):
     """A parameter in its compute layout (an explicit all-gather when FSDP stores it sharded, so that
     its gradient is a reduce-scatter) and dtype."""
-    stored = P(*param.get_metadata()["out_sharding"])
+    stored = _stored(param)
     return jax_cp.gather(param[...], mesh, stored, Sharding.compute(stored)).astype(dtype)
+
+
+def _stored(param: nnx.Param) -> P:
+    return P(*param.get_metadata()["out_sharding"])
+
+
+def _unsharded(param_block, param: nnx.Param, dtype):
+    """Inside ``shard_map``: ``param``'s block in its compute layout and ``dtype`` (``jax_cp.unshard``: when FSDP
+    stores it sharded, an all-gather whose gradient is one reduce-scatter of this device's partial sum)."""
+    stored = _stored(param)
+    return jax_cp.unshard(param_block, stored, Sharding.compute(stored), dtype)
+
+
+def _shard_mapped(body, mesh, x, x_spec: P, params: tuple, out_spec: P):
+    """``body(x_block, *param_blocks)`` in ``jax.shard_map``: ``x`` as ``x_spec`` and each parameter as stored."""
+    specs = tuple(_stored(p) for p in params)
+    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, *specs), out_specs=out_spec)(
+        jax_cp.place(x, mesh, x_spec), *(jax_cp.place(p[...], mesh, s) for p, s in zip(params, specs)))
 
 
 def attention_sharding(spec: jax_cp.AttentionSpec, mesh, sharding: Sharding) -> jax_cp.AttentionSharding:
@@ -201,6 +229,22 @@ def attention_sharding(spec: jax_cp.AttentionSpec, mesh, sharding: Sharding) -> 
     return jax_cp.AttentionSharding(**{
         name: sharding.store(getattr(compute, name), shape, mesh) if len(shape) > 1 else None
         for name, shape in shapes.items()})
+
+
+def _lookup(embed: nnx.Param):
+    """The embedding rows of a block of tokens, inside ``shard_map`` (float32): each tp rank looks up the
+    tokens in its slice of the vocabulary, zeros elsewhere, summed over tp; FSDP: the table's block gathered
+    here, so its gradient (a scatter-add of this device's tokens) is reduce-scattered."""
+
+    def lookup(tokens, block):
+        table = _unsharded(block, embed, jnp.float32)
+        rows = table.shape[0]
+        local = tokens - jax.lax.axis_index(TP) * rows
+        inside = (local >= 0) & (local < rows)
+        x = jnp.where(inside[..., None], jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0), 0.0)
+        return jax.lax.psum(x, TP)
+
+    return lookup
 
 
 class RMSNorm(nnx.Module):
@@ -227,13 +271,19 @@ class MLP(nnx.Module):
         self.w_down = _param(mesh, sharding, init(rngs.params(), (F, D), jnp.float32), P(TP, None))
 
     def __call__(self, x_BSD, sharding: Sharding | None = None):
-        m, dt, sh = self.mesh, self.dtype, sharding or self.sharding
-        x = x_BSD.astype(dt)
-        gate_BSF = jax_cp.place(jnp.einsum("bsd,df->bsf", x, _weight(self.w_gate, m, dt)), m, sh.h_BSF)
-        up_BSF = jax_cp.place(jnp.einsum("bsd,df->bsf", x, _weight(self.w_up, m, dt)), m, sh.h_BSF)
-        h_BSF = ACTIVATIONS[self.activation](gate_BSF) * up_BSF
-        y_BSD = jnp.einsum("bsf,fd->bsd", h_BSF, _weight(self.w_down, m, dt))
-        return jax_cp.place(y_BSD, m, sh.x_BSD)
+        """In one ``shard_map``: the weights gathered there (FSDP: their gradients reduce-scattered), F split
+        over tp, the output summed over tp (reduce-scattered along D where the residual stream is split)."""
+        sh, dt, params = sharding or self.sharding, self.dtype, (self.w_gate, self.w_up, self.w_down)
+        scatter = sh.residual_BSD[2] == TP
+
+        def mlp(x, w_gate, w_up, w_down):  # x: the normed input, split like the residual stream
+            x = jax.lax.all_gather(x, TP, axis=2, tiled=True) if scatter else x  # its transpose: a reduce-scatter
+            w_gate, w_up, w_down = (_unsharded(b, p, dt) for b, p in zip((w_gate, w_up, w_down), params))
+            h = ACTIVATIONS[self.activation](jnp.einsum("bsd,df->bsf", x, w_gate)) * jnp.einsum("bsd,df->bsf", x, w_up)
+            y = jnp.einsum("bsf,fd->bsd", h, w_down)
+            return jax.lax.psum_scatter(y, TP, scatter_dimension=2, tiled=True) if scatter else jax.lax.psum(y, TP)
+
+        return _shard_mapped(mlp, self.mesh, x_BSD.astype(dt), sh.residual_BSD, params, sh.residual_BSD)
 
 
 class Block(nnx.Module):
@@ -247,6 +297,7 @@ class Block(nnx.Module):
         norm = functools.partial(RMSNorm, cfg.d_model, eps=cfg.norm_eps, mesh=mesh, sharding=sharding,
                                  offset=cfg.norm_offset)
         self.attn_norm = norm()
+        self.dtype = dtype
         spec = cfg.layer_attention(layer)
         if spec.local_window_size is not None:
             self.window = spec.local_window_size
@@ -268,8 +319,12 @@ class Block(nnx.Module):
         spans = {} if span_ids_BS is None else {"span_ids": span_ids_BS}
         if self.window is not None:
             spans["local_window_size"] = self.window
-        a = self.attn(self.attn_norm(x_BSD), positions=positions_BS, segment_ids=segment_ids_BS, **spans,
-                      **(infer or {}))
+        # The mixers and the MLP compute in the model's dtype: cast before their inputs are gathered over tp.
+        if infer is None and sharding is not None and sharding.residual_BSD[2] == TP \
+                and isinstance(self.attn, jax_cp.CPAttention):
+            spans["split_over_tp"] = True  # the input arrives split like the residual stream, the output leaves so
+        a = self.attn(self.attn_norm(x_BSD).astype(self.dtype), positions=positions_BS, segment_ids=segment_ids_BS,
+                      **spans, **(infer or {}))
         a = a if self.attn_post_norm is None else self.attn_post_norm(a)
         x_BSD = x_BSD + a.astype(x_BSD.dtype)
         m = self.mlp(self.mlp_norm(x_BSD), sharding)
@@ -297,7 +352,7 @@ class Llama(nnx.Module):
                  fsdp_axes: tuple[str, ...] = (DP,), remat: bool = False, kernel: str = "auto", kv_exchange="auto",
                  overlap_chunks: int | str = "auto", fused_qkv_chunks: int | str = "auto", rngs: nnx.Rngs):
         self.cfg, self.mesh, self.dtype, self.remat = cfg, mesh, jnp.dtype(dtype), remat
-        self.sharding = sharding = Sharding(fsdp=fsdp, fsdp_axes=fsdp_axes)
+        self.sharding = sharding = model_sharding(mesh, cfg.d_model, fsdp=fsdp, fsdp_axes=fsdp_axes)
         V, D = cfg.vocab_size, cfg.d_model
         embed = nnx.initializers.normal(0.02)(rngs.params(), (V, D), jnp.float32)
         self.embed = _param(mesh, sharding, embed, P(TP, None))
@@ -331,25 +386,26 @@ class Llama(nnx.Module):
         m = self.mesh
         sh = self.sharding.decoding() if decode and not prefill else self.sharding
         infer = dict(prefill=True, lengths=lengths) if prefill else dict(decode=True) if decode else None
-        embed_VD = _weight(self.embed, m, jnp.float32)
-        x_BSD = jnp.take(embed_VD, tokens_BS, axis=0)
+        x_BSD = _shard_mapped(_lookup(self.embed), m, tokens_BS, sh.tokens_BS, (self.embed,), sh.x_BSD)
         if self.cfg.embed_scale is not None:
             x_BSD = x_BSD * jnp.float32(self.cfg.embed_scale)
-        x_BSD = jax_cp.place(x_BSD, m, sh.x_BSD)
+        x_BSD = jax_cp.place(x_BSD, m, sh.residual_BSD)
 
         def apply(block, x, pos, seg, span):
-            return jax_cp.place(block(x, pos, seg, infer, sh, span), m, sh.x_BSD)
+            return jax_cp.place(block(x, pos, seg, infer, sh, span), m, sh.residual_BSD)
 
         if self.remat and infer is None:
             apply = nnx.remat(apply)
         for block in self.blocks:
             x_BSD = apply(block, x_BSD, positions, segment_ids, span_ids)
         h_BSD = self.final_norm(x_BSD).astype(self.dtype)
-        if self.cfg.tie_embeddings:
-            w_DV = _weight(self.embed, m, self.dtype).T
-        else:
-            w_DV = _weight(self.head, m, self.dtype)
-        logits = jnp.einsum("bsd,dv->bsv", h_BSD, w_DV, preferred_element_type=jnp.float32)
+        tied = self.cfg.tie_embeddings
+
+        def head(h, w):  # the vocabulary split over tp; FSDP: the weight gathered here
+            w = _unsharded(w, self.embed if tied else self.head, self.dtype)
+            return jnp.einsum("bsd,vd->bsv" if tied else "bsd,dv->bsv", h, w, preferred_element_type=jnp.float32)
+
+        logits = _shard_mapped(head, m, h_BSD, sh.x_BSD, (self.embed if tied else self.head,), sh.logits_BSV)
         if self.cfg.final_logits_soft_cap is not None:
             cap = jnp.float32(self.cfg.final_logits_soft_cap)
             logits = cap * jnp.tanh(logits / cap)
@@ -365,8 +421,9 @@ def next_token_loss(model: Llama, batch: dict) -> tuple[jax.Array, jax.Array]:
     """
     logits = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
                    span_ids=batch.get("span_ids"))
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll_BS = -jnp.take_along_axis(logp, batch["labels"][..., None].astype(jnp.int32), axis=-1)[..., 0]
+    # log p(label) = logit(label) - logsumexp(logits): no [B, S, V] log-probabilities kept beside the logits.
+    picked = jnp.take_along_axis(logits, batch["labels"][..., None].astype(jnp.int32), axis=-1)[..., 0]
+    nll_BS = jax.nn.logsumexp(logits, axis=-1) - picked
     w = batch["weights"].astype(jnp.float32)
     count = jnp.sum(w)
     return jnp.sum(nll_BS * w) / jnp.maximum(count, 1.0), count

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -70,8 +72,8 @@ class TrainConfig:
     cp_colossal: int = 1
     cp_ulysses: int = 1
     tp: int = 1
-    fsdp: bool = False
-    fsdp_axes: str = "dp"  # comma-separated: the axes --fsdp stores weights (and optimizer state) over
+    fsdp: bool | str = "auto"  # True (--fsdp), False (--no-fsdp) or "auto": fsdp_choice decides
+    fsdp_axes: str = "dp,cp_colossal,cp_ulysses"  # comma-separated: the axes FSDP stores weights and moments over
     model: str = "tiny"
     seq_len: int = 256
     batch: int = 8
@@ -147,6 +149,8 @@ class TrainConfig:
         if self.prefix_lm is not None and self.model in hybrid.CONFIGS:
             raise ValueError(f"--prefix-lm={self.prefix_lm} needs bidirectional prompts, which the recurrent layers "
                              f"of --model={self.model} cannot see; train it without --prefix-lm.")
+        if self.fsdp not in (True, False, "auto"):
+            raise ValueError(f"fsdp={self.fsdp!r} must be True (--fsdp), False (--no-fsdp) or 'auto'.")
         try:
             Sharding(fsdp_axes=self.fsdp_axes_tuple)
         except ValueError as e:
@@ -199,11 +203,14 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cp-colossal", type=int, default=d.cp_colossal, help="K/V all-gather sequence parallelism")
     g.add_argument("--cp-ulysses", type=int, default=d.cp_ulysses, help="all-to-all sequence parallelism")
     g.add_argument("--tp", type=int, default=d.tp, help="tensor parallelism over heads")
-    g.add_argument("--fsdp", action="store_true", help="also shard parameters and optimizer state (over --fsdp-axes)")
+    g.add_argument("--fsdp", dest="fsdp", action="store_const", const=True, default=d.fsdp,
+                   help="shard parameters and optimizer state over --fsdp-axes (default: auto, where the replicated "
+                        f"state would take {FSDP_AUTO_BYTES // 2**20} MiB a device or more: models.train.fsdp_choice)")
+    g.add_argument("--no-fsdp", dest="fsdp", action="store_const", const=False,
+                   help="replicate parameters and optimizer state over dp and the CP axes")
     g.add_argument("--fsdp-axes", default=d.fsdp_axes,
-                   help="with --fsdp: the axes to shard them over, comma-separated; dp,cp_colossal,cp_ulysses turns "
-                        "the gradient sums over the CP axes into reduce-scatters (half an all-reduce's bytes; still "
-                        "synchronous in the TPU schedules measured, see benchmarks/RESULTS.md)")
+                   help="the axes FSDP shards them over, comma-separated (default: dp and both CP axes; the gradient "
+                        "sums over them become reduce-scatters)")
     g = p.add_argument_group("model and optimisation")
     g.add_argument("--model", default=d.model,
                    help="tiny, or hybrid-tiny (gated DeltaNet layers, attention every 4th: models.hybrid); "
@@ -346,7 +353,7 @@ def setup(cfg: TrainConfig, devices=None) -> Setup:
         raise ValueError(f"--model={cfg.model!r} does not fit a CPU; train --model tiny here (the large configs "
                          "are for accelerators and for planning: models.llama.abstract_model).")
     _check_batch(cfg, dims.dp)
-    abstract_model(model_config(cfg), mesh, **_model_kwargs(cfg))  # head/kernel/exchange checks, no memory
+    abstract_model(model_config(cfg), mesh, **_model_kwargs(cfg, mesh))  # head/kernel/exchange checks, no memory
     if jax.process_count() > 1:
         _check_same_flags(cfg)
     saved = _saved_steps(cfg.ckpt_dir)
@@ -485,8 +492,37 @@ def model_config(cfg: TrainConfig):
     return dataclasses.replace(base, logits_soft_cap=cap, use_sinks=base.use_sinks or cfg.use_sinks)
 
 
-def _model_kwargs(cfg: TrainConfig) -> dict:
-    return dict(dtype=jnp.dtype(cfg.dtype), fsdp=cfg.fsdp, fsdp_axes=cfg.fsdp_axes_tuple, remat=cfg.remat,
+FSDP_AUTO_BYTES = 256 * 2**20  # --fsdp auto: replicated training state per device from which FSDP stores it
+
+
+@functools.lru_cache(maxsize=16)
+def fsdp_choice(cfg: TrainConfig, dims: jax_cp.MeshDims) -> tuple[bool, str]:
+    """``(fsdp, why)``: whether the run stores parameters and AdamW moments sharded over ``--fsdp-axes``.
+
+    ``--fsdp``/``--no-fsdp`` decide; ``auto`` shards them where, replicated over those axes, they would
+    take ``FSDP_AUTO_BYTES`` or more a device (12 bytes a parameter: float32 weights and two moments,
+    over tp): a model that small costs little memory replicated, while each layer's weight all-gathers
+    would still cost time (benchmarks/RESULTS.md, "A whole training step").
+    """
+    if cfg.fsdp != "auto":
+        return bool(cfg.fsdp), "--fsdp" if cfg.fsdp else "--no-fsdp"
+    sizes = dataclasses.asdict(dims)
+    n = math.prod(sizes[{"cp_colossal": "c", "cp_ulysses": "u"}.get(a, a)] for a in cfg.fsdp_axes_tuple)
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract_model(model_config(cfg)), nnx.Param)))
+    replicated = 12 * params / dims.t
+    say = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"  # noqa: E731
+    if n == 1:
+        return False, f"auto: the --fsdp-axes {cfg.fsdp_axes} have one device"
+    if replicated >= FSDP_AUTO_BYTES:
+        return True, (f"auto: parameters and AdamW moments take {say(replicated)} a device replicated over "
+                      f"{cfg.fsdp_axes} ({n} devices), {say(replicated / n)} sharded")
+    return False, (f"auto: parameters and AdamW moments take {say(replicated)} a device replicated, under "
+                   f"{say(FSDP_AUTO_BYTES)}: replicated, no weight all-gathers")
+
+
+def _model_kwargs(cfg: TrainConfig, mesh) -> dict:
+    fsdp, _ = fsdp_choice(cfg, jax_cp.mesh_dims(mesh))
+    return dict(dtype=jnp.dtype(cfg.dtype), fsdp=fsdp, fsdp_axes=cfg.fsdp_axes_tuple, remat=cfg.remat,
                 kernel=cfg.kernel,
                 kv_exchange=cfg.kv_exchange, overlap_chunks=cfg.overlap_chunks,
                 fused_qkv_chunks=cfg.fused_qkv_chunks)
@@ -569,7 +605,7 @@ def _init_fn(cfg: TrainConfig, mesh, tx):
     """``() -> (model, optimizer)``: the parameters and AdamW state, sharded on ``mesh``."""
     def init():
         config = model_config(cfg)
-        model = model_class(config)(config, mesh=mesh, rngs=nnx.Rngs(cfg.seed), **_model_kwargs(cfg))
+        model = model_class(config)(config, mesh=mesh, rngs=nnx.Rngs(cfg.seed), **_model_kwargs(cfg, mesh))
         return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
     return init
 
@@ -658,16 +694,22 @@ def _plan_main(cfg: TrainConfig) -> None:
     from jax_cp import plan
 
     a = plan_train_step(cfg)
-    mesh = " ".join(f"{k}={v}" for k, v in _plan_mesh(cfg, cfg.plan).shape.items())
+    plan_mesh = _plan_mesh(cfg, cfg.plan)
+    mesh, dims = " ".join(f"{k}={v}" for k, v in plan_mesh.shape.items()), jax_cp.mesh_dims(plan_mesh)
     chip = plan.chip_for(cfg.plan)
     source = f" (--init-from {cfg.init_from}: its config.json, no weights read)" if cfg.init_from else ""
     print(f"jax_cp plan: one training step of {cfg.model_name}{source} on {cfg.plan} ({chip.device_kind}), "
-          f"mesh {mesh}\nB={cfg.batch} S={cfg.seq_len} dtype={cfg.dtype} fsdp={cfg.fsdp and cfg.fsdp_axes} "
+          f"mesh {mesh}\nB={cfg.batch} S={cfg.seq_len} dtype={cfg.dtype} fsdp={_fsdp_words(cfg, dims)} "
           f"remat={cfg.remat} "
           f"kernel={cfg.kernel} kv_exchange={cfg.kv_exchange} overlap_chunks={cfg.overlap_chunks} "
           f"fused_qkv_chunks={cfg.fused_qkv_chunks}\n"
           f"flags: {' '.join(plan.recommended_xla_flags('tpu', chip=chip.name))}\n")
     print(plan.format_programs([a], grouped=True))
+
+
+def _fsdp_words(cfg: TrainConfig, dims) -> str:
+    fsdp, why = fsdp_choice(cfg, dims)
+    return f"{cfg.fsdp_axes if fsdp else 'off'} ({why})"
 
 
 def train(cfg: TrainConfig, s: Setup) -> dict:
@@ -784,7 +826,7 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
         "tokens_per_s": tokens_per_step * n_timed / timed_s if n_timed else None,
         "compile_s": compile_s, "wall_s": time.perf_counter() - t0, "balance": s.balance,
         "step_compiles": train_step._cache_size(),  # one per K/V exchange used: more would mean a retrace
-        "kv_exchange": s.exchange_note, "kv_exchange_steps": exchanges,
+        "kv_exchange": s.exchange_note, "kv_exchange_steps": exchanges, "fsdp": _fsdp_words(cfg, dims),
         **{f"{k}_mean": _mean([b[k] for b in balances]) for k in ("imbalance", "imbalance_dual_chunk")},
         "losses": losses,
     }
@@ -886,6 +928,7 @@ def main(argv=None) -> None:
               f"{summary['step_compiles']} time(s)); logs in {cfg.out}")
         print(_balance_line(summary))
         print(_exchange_line(summary))
+        print(f"fsdp: {summary['fsdp']}")
 
 
 if __name__ == "__main__":

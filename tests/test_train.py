@@ -8,6 +8,7 @@ float32``) with the float32 tolerance; a resumed run is compared bit for bit.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -149,6 +150,12 @@ def test_remat_and_fsdp_change_nothing_but_memory():
     fn = nnx.jit(nnx.value_and_grad(llama.next_token_loss, has_aux=True))
     hlo = fn.lower(models["fsdp over dp+cp"], batch).compile().as_text()
     assert "reduce-scatter(" in hlo or "reduce-scatter-start(" in hlo
+    # The residual stream is split over tp along D: each layer's attention and MLP reduce-scatter their
+    # [2, 16, 128] output sums to [2, 16, 64] forward and the input gradients backward (2 x 2 x 2); the
+    # only whole-width activation sums left are the head's and the embedding's.
+    found = re.findall(r"= f32\[([0-9,]*)\][^ ]* (all-reduce|reduce-scatter)(?:-start)?\(", hlo)
+    assert found.count(("2,16,64", "reduce-scatter")) == 2 * 2 * 2, found
+    assert found.count(("2,16,128", "all-reduce")) <= 2, found
     tol = TOL[jnp.dtype(jnp.float32)]
     loss, grads = results["plain"]
     for name in ("remat+fsdp", "fsdp over dp+cp"):
@@ -546,6 +553,27 @@ def test_bad_flags_one_line(argv, message, capsys):
     assert re.search(message, err), err
 
 
+def test_fsdp_auto_shards_what_is_worth_sharding():
+    """--fsdp auto (the default) stores parameters and moments sharded over dp and the CP axes where,
+    replicated, they would take FSDP_AUTO_BYTES or more a device; --fsdp and --no-fsdp decide alone."""
+    dims = jax_cp.MeshDims(dp=1, c=4, u=4, t=4)
+    big = train.TrainConfig(model="llama3-8b", seq_len=32768, batch=4, cp_colossal=4, cp_ulysses=4, tp=4)
+    fsdp, why = train.fsdp_choice(big, dims)
+    params = llama.param_count(llama.CONFIGS["llama3-8b"])
+    assert fsdp and f"take {12 * params / 4 / 2**30:.2f} GiB a device replicated over dp,cp_colossal,cp_ulysses " \
+        f"(16 devices), {12 * params / 4 / 16 / 2**30:.2f} GiB sharded" in why, why
+    tiny = train.TrainConfig(cp_colossal=2, cp_ulysses=2, tp=2)
+    fsdp, why = train.fsdp_choice(tiny, jax_cp.MeshDims(dp=1, c=2, u=2, t=2))
+    assert not fsdp and "under 256 MiB: replicated" in why, why
+    assert train.fsdp_choice(big, jax_cp.MeshDims(dp=1, c=1, u=1, t=4)) == (
+        False, "auto: the --fsdp-axes dp,cp_colossal,cp_ulysses have one device")
+    assert train.parse_args(["--fsdp"]).fsdp is True and train.parse_args(["--no-fsdp"]).fsdp is False
+    assert train.parse_args([]).fsdp == "auto"
+    assert train.fsdp_choice(dataclasses.replace(big, fsdp=False), dims) == (False, "--no-fsdp")
+    with pytest.raises(ValueError, match=r"fsdp='yes' must be True \(--fsdp\), False \(--no-fsdp\) or 'auto'"):
+        train.TrainConfig(fsdp="yes")
+
+
 def test_attention_flags_reach_every_layer():
     """--logits-soft-cap and --use-sinks set the model's attention (every layer's spec); unset, the
     model's own configuration stands."""
@@ -597,7 +625,7 @@ def test_plan_one_training_step_for_a_tpu_topology(monkeypatch, capsys):
     """plan_train_step: the whole step (2 layers, AdamW, clipping) compiled for v5e:2x4 ahead of time;
     nothing allocated. Arguments hold at least every parameter, moment and batch shard, and the state
     is donated as in training (aliased: counted once in the peak); each layer's exchanges appear
-    forward and backward, and tp's backward activation sums run inside matmuls (v5e's all-reduce
+    forward and backward, and tp's backward activation collectives run inside matmuls (v5e's all-reduce
     continuation fusion, a recommended flag). Without that flag every dK/dV all-to-all has compute
     inside; with it, at this toy size, one of the four loses it to the fused sums (the Llama-3-8B
     step's backward overlap rises with it instead, 0.94 -> 0.98: benchmarks/RESULTS.md, "A whole
@@ -625,7 +653,7 @@ def test_plan_one_training_step_for_a_tpu_topology(monkeypatch, capsys):
     assert a2a["fwd"].count(("cp_ulysses",)) == 2 * 2 * 2  # layers x chunks x (Q, output)
     assert a2a["bwd"].count(("cp_ulysses",)) == 2 * 2 * 2  # layers x chunks x (output gradient, Q gradient)
     assert a2a["bwd"].count(both) == 2 * 2  # layers x chunks: dK/dV over both CP axes
-    assert both in a2a["fwd"] and not any(c.kind == "reduce-scatter" for c in a.schedule.collectives)
+    assert both in a2a["fwd"] and not any(c.kind == "reduce-scatter" for ph in cp for c in cp[ph])
     assert 0 < a.overlap("fwd") < a.overlap("bwd") <= 1
     tp_bwd = _tp_sums(a, "bwd")
     assert tp_bwd and any(c.overlapped for c in tp_bwd), [(c.bytes, c.is_async) for c in tp_bwd]
@@ -643,8 +671,10 @@ def test_planned_step_overlaps_the_gradient_sums_on_v5p():
     """The tiny step planned for v5p:2x2x2 with the recommended flags: the gradient sums of the weights
     replicated over the CP axes (all-reduces over cp_colossal and cp_ulysses that no matmul consumes)
     run asynchronously, offloaded to the SparseCores, and the largest has matmuls of the backward
-    scheduled between the update that hands it its data and its done; so do most of tp's backward
-    activation sums (the forward ones are not: each feeds the next matmul at once). (libtpu 0.0.52 runs
+    scheduled between the update that hands it its data and its done. The layers' tp collectives are
+    all-gathers and reduce-scatters (the residual stream is split over tp), and the backward's all-gathers
+    have matmuls inside (the forward ones do not: each feeds the next matmul at once; the TPU runs the
+    reduce-scatters synchronously). (libtpu 0.0.52 runs
     every all-reduce synchronously on the TensorCore otherwise: benchmarks/RESULTS.md, "A whole
     training step".)"""
     pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
@@ -661,14 +691,21 @@ def test_planned_step_overlaps_the_gradient_sums_on_v5p():
     assert largest.overlapped and largest.flops_inside, largest
     hidden = sum(c.bytes for c in grads if c.overlapped) / sum(c.bytes for c in grads)
     assert hidden >= 0.5, [(c.bytes, c.compute_inside) for c in grads]
+    # The residual stream is split over tp: each layer all-gathers its input and reduce-scatters its output
+    # (no all-reduce over tp in a layer); the backward's all-gathers (the reduce-scatters' transposes) all
+    # have matmuls inside.
     tp = _tp_sums(a, "bwd")
-    assert sum(c.overlapped for c in tp) > len(tp) / 2, [(c.bytes, c.overlapped) for c in tp]
+    layer_ag = [c for c in tp if c.kind == "all-gather" and c.op_name.endswith("shard_map/all_gather")]
+    assert len(layer_ag) == 2 * 2 and all(c.overlapped for c in layer_ag), [(c.bytes, c.overlapped) for c in tp]
+    assert [c.kind for c in tp].count("reduce-scatter") == 2 * 2
+    assert [c.kind for c in tp].count("all-reduce") <= 1, tp  # the vocabulary head's input gradient
 
 
 def _tp_sums(analysis, phase):
-    """tp's activation sums of ``phase`` in a planned step (all-reduces over tp of 64 KiB or more)."""
+    """tp's activation collectives of ``phase`` in a planned step (all-reduces, all-gathers and
+    reduce-scatters over tp of 64 KiB or more)."""
     return [c for c in analysis.schedule.select(phase, cp_only=False)
-            if c.kind == "all-reduce" and c.axes == ("tp",) and c.bytes >= 2**16]
+            if c.kind in ("all-reduce", "all-gather", "reduce-scatter") and c.axes == ("tp",) and c.bytes >= 2**16]
 
 
 def _check_plan_cli(analysis, monkeypatch, capsys):

@@ -391,6 +391,14 @@ def _feeds_compute(instrs: list[Instr], is_compute: list[bool], *, loop_body: bo
     return {i.name: f for i, f in zip(instrs, feeds)}
 
 
+def _data_entry(start: Instr, instrs: list[Instr]) -> Instr:
+    """The instruction that hands an async collective its data: the start, or (offloaded to the SparseCores,
+    ``async-start()`` takes none) the async-update that brings the operand in."""
+    if start.operands:
+        return start
+    return next((u for u in instrs if u.opcode == "async-update" and start.name in u.operands), start)
+
+
 def _phase_from_producers(names: dict[str, Instr], start: Instr, depth: int = 6) -> str:
     """For ops without metadata: backward if any producer within ``depth`` steps is."""
     frontier, seen = list(start.operands), set()
@@ -680,6 +688,10 @@ def _describe(mod, comp, i, names, instrs, done_pos, inside, is_async, mesh_shap
     groups = _groups(core.attrs)
     op_name = core.op_name or i.op_name
     phase = _phase(op_name) if op_name else _phase_from_producers(names, i)
+    if phase == "fwd" and op_name.endswith(("psum_invariant", "all_gather", "reduce_scatter")):
+        # Inside a shard_map, the transposes of pvary (a psum), psum_scatter (an all-gather) and all_gather (a
+        # reduce-scatter) keep the forward's name: such a collective is the backward's when its data is.
+        phase = _phase_from_producers(names, _data_entry(i, instrs), depth=3)
     return Collective(
         name=i.name, kind=_kind(core.opcode), axes=_axes(groups, mesh_shape, axis_names),
         group_size=max((len(g) for g in groups), default=1) if core.opcode != "collective-permute" else 2,

@@ -1,0 +1,123 @@
+"""Weights gathered inside the shard_map that uses them (``jax_cp.unshard``: FSDP gradients as one
+reduce-scatter), and ``CPAttention(..., split_over_tp=True)`` (the input and output split over tp along
+the features): values and gradients equal the plain layouts', the collectives are the ones promised,
+and bad input is a ValueError."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, PartitionSpec as P
+
+import jax_cp
+from util import assert_close
+
+B, S, D, H = 4, 32, 32, 8
+
+
+def _collectives(hlo: str) -> list[tuple[str, int]]:
+    """``(kind, elements)`` of every all-reduce / reduce-scatter / all-gather in a compiled CPU program."""
+    out = []
+    for m in re.finditer(r"= [a-z0-9]+\[([0-9,]*)\][^ ]* (all-reduce|reduce-scatter|all-gather)\(", hlo):
+        out.append((m.group(2), int(np.prod([int(v) for v in m.group(1).split(",") if v]))))
+    return out
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_unshard_gradient_is_one_reduce_scatter(axis_type):
+    """A weight stored over every axis its users vary over: the gradient (this device's partial sum) is
+    reduce-scattered and never all-reduced; stored over dp only, the sum over cp_colossal is an
+    all-reduce first. Both equal the single-device gradient."""
+    mesh = jax.make_mesh((2, 2, 1, 2), jax_cp.AXES, axis_types=(axis_type,) * 4)
+    x = jax.random.normal(jax.random.key(0), (4, 16, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 12))
+    ref = jax.grad(lambda w: jnp.sum(jnp.sin(x @ w)))(w)
+    for stored, kinds in ((P(("dp", "cp_colossal"), "tp"), {"reduce-scatter", "all-gather"}),
+                          (P("dp", "tp"), {"reduce-scatter", "all-gather", "all-reduce"})):
+        def loss(w, x):
+            body = lambda x, w: x @ jax_cp.unshard(w, stored, P(None, "tp"), jnp.float32)  # noqa: E731
+            y = jax.shard_map(body, mesh=mesh, in_specs=(P("dp", "cp_colossal", None), stored),
+                              out_specs=P("dp", "cp_colossal", "tp"))(
+                jax_cp.place(x, mesh, P("dp", "cp_colossal", None)), jax_cp.place(w, mesh, stored))
+            return jnp.sum(jnp.sin(y))
+
+        with jax.set_mesh(mesh):
+            g = jax.jit(jax.grad(loss))(w, x)
+            hlo = jax.jit(jax.grad(loss)).lower(w, x).compile().as_text()
+        assert_close(g, ref, jnp.float32, f"dW stored {stored}")
+        found = _collectives(hlo)
+        assert {k for k, _ in found} == kinds, (stored, found)
+        assert g.sharding.spec == stored
+
+
+def test_unshard_refuses_a_layout_it_cannot_gather():
+    mesh = jax_cp.make_mesh(dp=4, tp=2, axis_types=AxisType.Auto)
+    w = jax_cp.place(jnp.ones((8, 4)), mesh, P("tp", None))
+    with pytest.raises(ValueError, match=r"stored=(P|PartitionSpec)\('tp', None\) is not "
+                                         r"spec=(P|PartitionSpec)\(None, 'tp'\) plus storage axes"):
+        jax.shard_map(lambda w: jax_cp.unshard(w, P("tp", None), P(None, "tp")), mesh=mesh, in_specs=P("tp", None),
+                      out_specs=P(None, "tp"))(w)
+
+
+def _attention(mesh, **kw):
+    with jax.set_mesh(mesh):
+        return nnx.jit(lambda: jax_cp.CPAttention(H, D, num_kv_heads=4, mesh=mesh, is_causal=True, use_bias=True,
+                                                   rngs=nnx.Rngs(0), **kw))()
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_split_over_tp_equals_the_whole_input(axis_type):
+    """The input split over tp along the features (gathered inside the layer) and the output split the same
+    way give the whole-input layer's output and gradients (float32), with FSDP storage over dp and cp
+    (weights gathered inside); the layer's tp collectives are then all-gathers and reduce-scatters."""
+    mesh = jax_cp.make_mesh(dp=1, cp_colossal=2, cp_ulysses=2, tp=2, axis_types=axis_type)
+    store = lambda spec: P(*[("cp_colossal", "cp_ulysses") if i == 0 else a for i, a in enumerate(spec)])  # noqa: E731
+    compute = jax_cp.param_specs(jax_cp.CPAttention(H, D, num_kv_heads=4, mesh=mesh, is_causal=True, use_bias=True,
+                                                    rngs=nnx.Rngs(0)).spec, mesh)
+    sharding = jax_cp.AttentionSharding(**{k: store(getattr(compute, k)) for k in ("q_kernel", "k_kernel",
+                                                                                     "v_kernel", "o_kernel")})
+    plain, split = _attention(mesh), _attention(mesh, sharding=sharding)
+    x = jax.random.normal(jax.random.key(3), (B, S, D))
+    ct = jax.random.normal(jax.random.key(4), (B, S, D))
+
+    def run(model, split_over_tp):
+        spec = P("dp", ("cp_colossal", "cp_ulysses"), "tp" if split_over_tp else None)
+
+        def f(m, x):
+            y = m(jax_cp.place(x, mesh, spec), split_over_tp=split_over_tp)
+            assert axis_type == AxisType.Auto or jax.typeof(y).sharding.spec == spec
+            return jnp.sum(y * ct), y
+
+        with jax.set_mesh(mesh):
+            fn = nnx.jit(nnx.value_and_grad(f, argnums=(0, 1), has_aux=True))
+            (_, y), (g, gx) = fn(model, x)
+            hlo = fn.lower(model, x).compile().as_text() if split_over_tp else ""
+        return y, nnx.to_pure_dict(nnx.state(g, nnx.Param)), gx, hlo
+
+    y0, g0, gx0, _ = run(plain, False)
+    y1, g1, gx1, hlo = run(split, True)
+    assert_close(y1, y0, jnp.float32, "output")
+    assert_close(gx1, gx0, jnp.float32, "dx")
+    for name in g0:
+        assert_close(g1[name], g0[name], jnp.float32, f"d{name}")
+    kinds = {k for k, n in _collectives(hlo) if n >= B * S * D // 8}  # activation-sized or larger
+    assert "reduce-scatter" in kinds and "all-gather" in kinds, _collectives(hlo)
+    weight = D * H * (D // H) // 2  # a q/o kernel's tp block
+    assert not [n for k, n in _collectives(hlo) if k == "all-reduce" and n >= weight], _collectives(hlo)
+
+
+def test_split_over_tp_errors():
+    mesh = jax_cp.make_mesh(dp=2, cp_colossal=2, tp=2, axis_types=AxisType.Auto)
+    attn = _attention(mesh)
+    x = jnp.zeros((B, S, D))
+    with pytest.raises(ValueError, match=r"split_over_tp=True is for self-attention; cross attention"):
+        attn(x, inputs_kv=x + 1.0, split_over_tp=True)
+    with pytest.raises(ValueError, match=r"split_over_tp=True is for training calls; prefill=False, decode=True"):
+        attn(x, decode=True, split_over_tp=True)
+    odd = jax_cp.make_mesh(dp=1, cp_colossal=2, tp=4, axis_types=AxisType.Auto)
+    with jax.set_mesh(odd):
+        a6 = nnx.jit(lambda: jax_cp.CPAttention(4, 34, head_dim=8, num_kv_heads=4, mesh=odd, rngs=nnx.Rngs(0)))()
+    with pytest.raises(ValueError, match=r"splits the features over tp=4, but in_features=34 is not a multiple"):
+        a6(jnp.zeros((B, S, 34)), split_over_tp=True)
