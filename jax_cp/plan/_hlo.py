@@ -391,6 +391,11 @@ def _feeds_compute(instrs: list[Instr], is_compute: list[bool], *, loop_body: bo
     return {i.name: f for i, f in zip(instrs, feeds)}
 
 
+# JAX primitives whose transposes inside a shard_map keep the forward's op_name: pvary's (a psum),
+# psum_scatter's (an all-gather) and all_gather's (a reduce-scatter).
+_TRANSPOSED_IN_SHARD_MAP = re.compile(r"/(psum_invariant|all_gather|reduce_scatter)$")
+
+
 def _data_entry(start: Instr, instrs: list[Instr]) -> Instr:
     """The instruction that hands an async collective its data: the start, or (offloaded to the SparseCores,
     ``async-start()`` takes none) the async-update that brings the operand in."""
@@ -688,7 +693,7 @@ def _describe(mod, comp, i, names, instrs, done_pos, inside, is_async, mesh_shap
     groups = _groups(core.attrs)
     op_name = core.op_name or i.op_name
     phase = _phase(op_name) if op_name else _phase_from_producers(names, i)
-    if phase == "fwd" and op_name.endswith(("psum_invariant", "all_gather", "reduce_scatter")):
+    if phase == "fwd" and _TRANSPOSED_IN_SHARD_MAP.search(op_name):
         # Inside a shard_map, the transposes of pvary (a psum), psum_scatter (an all-gather) and all_gather (a
         # reduce-scatter) keep the forward's name: such a collective is the backward's when its data is.
         phase = _phase_from_producers(names, _data_entry(i, instrs), depth=3)
