@@ -4,7 +4,8 @@ Public API: ``make_mesh``, ``dot_product_attention``, ``visibility`` (the mask i
 dense array), ``CPAttention`` (NNX), ``linen.CPAttention``, ``AttentionSpec`` (the validated layer description),
 ``AttentionSharding`` (parameter storage layout), ``place``/``gather`` (arrays into a layout;
 ``gather`` as explicit all-gathers whose gradients are reduce-scatters; ``unshard`` the same inside
-a ``shard_map``, where the gradient is one reduce-scatter of each device's partial sum), ``seq_to_heads``/
+a ``shard_map``, where the gradient is one reduce-scatter of each device's partial sum; ``vma`` the axes a
+value varies over there), ``seq_to_heads``/
 ``heads_to_seq`` (the Ulysses all-to-all per shard), ``linear`` (the linear-attention layers of hybrid
 models, on the same mesh and token order), ``exchanges`` (the K/V
 exchanges as values), ``load_balance``, ``kernels``, ``reference`` (the
@@ -14,7 +15,7 @@ from jax_cp import exchanges, kernels, linear, linen, load_balance, reference
 from jax_cp._attention import dot_product_attention, visibility
 from jax_cp._defaults import describe_kernel
 from jax_cp._layer import AttentionSharding, param_shapes, param_specs
-from jax_cp._mesh import AXES, COLOSSAL, DP, TP, ULYSSES, MeshDims, gather, make_mesh, mesh_dims, place, unshard
+from jax_cp._mesh import AXES, COLOSSAL, DP, TP, ULYSSES, MeshDims, gather, make_mesh, mesh_dims, place, unshard, vma
 from jax_cp._module import CPAttention
 from jax_cp._posenc import RoPE, apply_rope, rms_norm
 from jax_cp._spec import AttentionSpec
@@ -25,6 +26,6 @@ __all__ = [
     "ULYSSES",
     "apply_rope", "describe_kernel", "dot_product_attention", "exchanges", "gather", "heads_to_seq", "kernels", "linear", "linen", "load_balance",
     "make_mesh", "mesh_dims", "param_shapes", "param_specs", "place", "reference", "rms_norm", "seq_to_heads",
-    "unshard", "visibility",
+    "unshard", "visibility", "vma",
 ]
 __version__ = "0.1.0"

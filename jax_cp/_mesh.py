@@ -182,7 +182,7 @@ def _unshard_bwd(dims, dtype, summed, res, g):
     g = g.astype(res.dtype)  # the sum over devices in the stored dtype (float32 parameters: float32)
     # Axes the gradient varies over (the tokens' data and CP axes) that the stored weight neither varies over
     # nor is stored over: a plain sum.
-    extra = tuple(a for a in summed if a in _vma(g))
+    extra = tuple(a for a in summed if a in vma(g))
     if extra:
         g = jax.lax.psum(g, extra)
     for i, axes in reversed(dims):
@@ -219,14 +219,18 @@ def unshard(w: jax.Array, stored: P, spec: P, dtype=None) -> jax.Array:
     dtype = w.dtype if dtype is None else jnp.dtype(dtype)
     if not dims:
         return w.astype(dtype)
-    held = set(_vma(w)) | {a for _, axes in dims for a in axes}
+    held = set(vma(w)) | {a for _, axes in dims for a in axes}
     summed = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a not in held)
     return _unshard(w, dims, dtype, summed)
 
 
-def _vma(x) -> frozenset:
-    """The mesh axes ``x`` varies over inside ``shard_map`` (its type's ``vma``)."""
-    return frozenset(getattr(jax.typeof(x), "vma", ()) or ())
+def vma(x) -> frozenset:
+    """The mesh axes ``x`` varies over inside ``shard_map`` (its type's ``vma``; ``manual_axis_type.varying``
+    in older JAX)."""
+    aval = jax.typeof(x)
+    if hasattr(aval, "vma"):
+        return frozenset(aval.vma or ())
+    return frozenset(getattr(getattr(aval, "manual_axis_type", None), "varying", ()) or ())
 
 
 def gather(x: jax.Array, mesh: Mesh, stored: P, spec: P) -> jax.Array:

@@ -25,7 +25,7 @@ import jax_cp
 
 __all__ = [
     "CONFIGS", "FSDP_AXES", "Llama", "LlamaConfig", "Sharding", "abstract_model", "attention_sharding", "get_config",
-    "model_sharding", "next_token_loss", "param_count",
+    "fused_cross_entropy", "model_sharding", "next_token_loss", "param_count",
 ]
 
 DP, TP = "dp", "tp"
@@ -159,11 +159,11 @@ class Sharding:
 
     def store(self, spec: P, shape, mesh) -> P:
         """``spec`` (the tp layout), plus the FSDP axes (those of size > 1) on the largest free dimension
-        their product divides, when FSDP."""
+        their product divides, when FSDP (matrices only)."""
         sizes = dict(mesh.shape)
         axes = tuple(a for a in self.fsdp_axes if sizes[a] > 1)
         n = math.prod(sizes[a] for a in axes)
-        if not self.fsdp or n == 1:
+        if not self.fsdp or n == 1 or len(shape) < 2:  # vectors (norm scales) stay whole: small, used as stored
             return spec
         dims = list(spec) + [None] * (len(shape) - len(spec))
         free = [i for i, a in enumerate(dims) if a is None and shape[i] % n == 0]
@@ -383,6 +383,45 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens_BS, *, positions=None, segment_ids=None, prefill: bool = False, decode: bool = False,
                  lengths=None, span_ids=None):
+        h_BSD = self.features(tokens_BS, positions=positions, segment_ids=segment_ids, prefill=prefill,
+                              decode=decode, lengths=lengths, span_ids=span_ids)
+        sh = self.sharding.decoding() if decode and not prefill else self.sharding
+        tied = self.cfg.tie_embeddings
+
+        def head(h, w):  # the vocabulary split over tp; FSDP: the weight gathered here
+            w = _unsharded(w, self.embed if tied else self.head, self.dtype)
+            return jnp.einsum("bsd,vd->bsv" if tied else "bsd,dv->bsv", h, w, preferred_element_type=jnp.float32)
+
+        logits = _shard_mapped(head, self.mesh, h_BSD, sh.x_BSD, (self.head_weight,), sh.logits_BSV)
+        if self.cfg.final_logits_soft_cap is not None:
+            cap = jnp.float32(self.cfg.final_logits_soft_cap)
+            logits = cap * jnp.tanh(logits / cap)
+        return jax_cp.place(logits, self.mesh, sh.logits_BSV)
+
+    @property
+    def head_weight(self) -> nnx.Param:
+        """The vocabulary head's weight: ``head [D, V]``, or ``embed [V, D]`` when tied."""
+        return self.embed if self.cfg.tie_embeddings else self.head
+
+    def token_nll(self, h_BSD, labels_BS, weights_BS) -> jax.Array:
+        """``sum(weights * -log p(labels))`` over the batch from the final features (``features``), without
+        ``[B, S, V]`` logits: ``fused_cross_entropy`` per chunk of tokens, recomputed in the backward."""
+        sh, cfg = self.sharding, self.cfg
+
+        def nll(h, labels, weights, w):
+            w = _unsharded(w, self.head_weight, self.dtype)
+            w_DV = w.T if cfg.tie_embeddings else w
+            local = fused_cross_entropy(h, w_DV, labels, weights, cap=cfg.final_logits_soft_cap)
+            return jax.lax.psum(local, (DP, *CP))
+
+        specs = (sh.x_BSD, sh.tokens_BS, sh.tokens_BS, _stored(self.head_weight))
+        args = (h_BSD, labels_BS.astype(jnp.int32), weights_BS.astype(jnp.float32), self.head_weight[...])
+        return jax.shard_map(nll, mesh=self.mesh, in_specs=specs, out_specs=P())(
+            *(jax_cp.place(a, self.mesh, spec) for a, spec in zip(args, specs)))
+
+    def features(self, tokens_BS, *, positions=None, segment_ids=None, prefill: bool = False, decode: bool = False,
+                 lengths=None, span_ids=None):
+        """The final norm's output ``[B, S, D]`` in the model's dtype (what the vocabulary head reads)."""
         m = self.mesh
         sh = self.sharding.decoding() if decode and not prefill else self.sharding
         infer = dict(prefill=True, lengths=lengths) if prefill else dict(decode=True) if decode else None
@@ -398,18 +437,7 @@ class Llama(nnx.Module):
             apply = nnx.remat(apply)
         for block in self.blocks:
             x_BSD = apply(block, x_BSD, positions, segment_ids, span_ids)
-        h_BSD = self.final_norm(x_BSD).astype(self.dtype)
-        tied = self.cfg.tie_embeddings
-
-        def head(h, w):  # the vocabulary split over tp; FSDP: the weight gathered here
-            w = _unsharded(w, self.embed if tied else self.head, self.dtype)
-            return jnp.einsum("bsd,vd->bsv" if tied else "bsd,dv->bsv", h, w, preferred_element_type=jnp.float32)
-
-        logits = _shard_mapped(head, m, h_BSD, sh.x_BSD, (self.embed if tied else self.head,), sh.logits_BSV)
-        if self.cfg.final_logits_soft_cap is not None:
-            cap = jnp.float32(self.cfg.final_logits_soft_cap)
-            logits = cap * jnp.tanh(logits / cap)
-        return jax_cp.place(logits, m, sh.logits_BSV)
+        return self.final_norm(x_BSD).astype(self.dtype)
 
 
 def next_token_loss(model: Llama, batch: dict) -> tuple[jax.Array, jax.Array]:
@@ -417,16 +445,111 @@ def next_token_loss(model: Llama, batch: dict) -> tuple[jax.Array, jax.Array]:
 
     ``batch`` holds ``[B, S]`` arrays ``tokens``, ``labels``, ``positions``,
     ``segment_ids`` and ``weights`` (0 where the label belongs to another document), and ``span_ids``
-    for a prefix-LM objective (``data.prefix_lm``).
+    for a prefix-LM objective (``data.prefix_lm``). The vocabulary head and the cross entropy run fused,
+    a chunk of tokens at a time (``Llama.token_nll``): no ``[B, S, V]`` logits are kept.
     """
-    logits = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                   span_ids=batch.get("span_ids"))
-    # log p(label) = logit(label) - logsumexp(logits): no [B, S, V] log-probabilities kept beside the logits.
-    picked = jnp.take_along_axis(logits, batch["labels"][..., None].astype(jnp.int32), axis=-1)[..., 0]
-    nll_BS = jax.nn.logsumexp(logits, axis=-1) - picked
+    h_BSD = model.features(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                           span_ids=batch.get("span_ids"))
     w = batch["weights"].astype(jnp.float32)
     count = jnp.sum(w)
-    return jnp.sum(nll_BS * w) / jnp.maximum(count, 1.0), count
+    return model.token_nll(h_BSD, batch["labels"], w) / jnp.maximum(count, 1.0), count
+
+
+LOSS_CHUNK_BYTES = 128 * 2**20  # fused_cross_entropy: the float32 logits of one chunk of tokens, at most
+
+
+def fused_cross_entropy(h_BSD, w_DV, labels_BS, weights_BS, *, cap: float | None = None,
+                        chunk_bytes: int = LOSS_CHUNK_BYTES) -> jax.Array:
+    """Inside ``shard_map``, the vocabulary split over ``tp``: this device's ``sum(weights * -log p(labels))``.
+
+    ``h_BSD`` (this device's tokens, whole over tp) times ``w_DV`` (its tp rank's vocabulary columns) gives
+    float32 logits a chunk of tokens at a time (at most ``chunk_bytes`` of them; soft-capped by ``cap``);
+    the log-normaliser and the label's logit are summed over tp. The backward recomputes each chunk's
+    logits (softmax minus the label's one-hot), so neither pass keeps ``[B, S, V/tp]`` logits: one
+    chunk's at a time. The gradients: ``h``'s summed over tp, ``w``'s this device's partial sum over its
+    tokens, summed over the axes ``w`` does not vary over (as a replicated weight's would be).
+    """
+    B, S, _ = h_BSD.shape
+    V = w_DV.shape[1]
+    n = _loss_chunks(B, S, V, chunk_bytes)
+    return _fused_ce(h_BSD, w_DV, labels_BS, weights_BS, cap, n)
+
+
+def _loss_chunks(B: int, S: int, V: int, chunk_bytes: int) -> int:
+    n = 1
+    while B * (S // n) * V * 4 > chunk_bytes and S % (2 * n) == 0:
+        n *= 2
+    return n
+
+
+def _ce_logits(h, w, cap):
+    logits = jnp.einsum("bsd,dv->bsv", h, w, preferred_element_type=jnp.float32)
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def _ce_chunks(a, n):  # [B, S, ...] -> [n, B, S/n, ...]
+    return jnp.moveaxis(a.reshape(a.shape[0], n, a.shape[1] // n, *a.shape[2:]), 1, 0)
+
+
+def _ce_local_labels(labels, V):
+    local = labels - jax.lax.axis_index(TP) * V
+    return local, (local >= 0) & (local < V)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_ce(h, w, labels, weights, cap, n):
+    return _fused_ce_fwd(h, w, labels, weights, cap, n)[0]
+
+
+def _fused_ce_fwd(h, w, labels, weights, cap, n):
+    V = w.shape[1]
+
+    def chunk(_, xs):
+        h_c, labels_c, weights_c = xs
+        logits = _ce_logits(h_c, w, cap)
+        m = jax.lax.pmax(jax.lax.stop_gradient(logits.max(-1)), TP)
+        lse = m + jnp.log(jax.lax.psum(jnp.exp(logits - m[..., None]).sum(-1), TP))
+        local, inside = _ce_local_labels(labels_c, V)
+        picked = jnp.take_along_axis(logits, jnp.clip(local, 0, V - 1)[..., None], axis=-1)[..., 0]
+        picked = jax.lax.psum(jnp.where(inside, picked, 0.0), TP)
+        return None, (jnp.sum((lse - picked) * weights_c), lse)
+
+    _, (totals, lse) = jax.lax.scan(chunk, None, (_ce_chunks(h, n), _ce_chunks(labels, n), _ce_chunks(weights, n)))
+    return totals.sum(), (h, w, labels, weights, lse)
+
+
+def _fused_ce_bwd(cap, n, res, g):
+    h, w, labels, weights, lse = res
+    V = w.shape[1]
+
+    def chunk(dw, xs):
+        h_c, labels_c, weights_c, lse_c = xs
+        logits = _ce_logits(h_c, w, cap)
+        p = jnp.exp(logits - lse_c[..., None])
+        local, inside = _ce_local_labels(labels_c, V)
+        p = p - (jax.nn.one_hot(local, V, dtype=p.dtype) * inside[..., None])
+        d = p * (g * weights_c)[..., None]
+        if cap is not None:
+            d = d * (1.0 - (logits / cap) ** 2)
+        d = d.astype(h.dtype)
+        dh = jnp.einsum("bsv,dv->bsd", d, w, preferred_element_type=jnp.float32)
+        return dw + jnp.einsum("bsd,bsv->dv", h_c, d, preferred_element_type=jnp.float32), dh
+
+    # The carry's type is the chunk's dw's: varying over every axis (tokens over dp and CP, vocabulary over tp).
+    dw0 = jax.lax.pcast(jnp.zeros(w.shape, jnp.float32), tuple(jax.sharding.get_abstract_mesh().axis_names),
+                        to="varying")
+    dw, dh = jax.lax.scan(chunk, dw0, (_ce_chunks(h, n), _ce_chunks(labels, n), _ce_chunks(weights, n), lse))
+    dh = jnp.moveaxis(dh, 0, 1).reshape(h.shape)
+    return (_sum_to(dh, h).astype(h.dtype), _sum_to(dw, w).astype(w.dtype), None, None)
+
+
+def _sum_to(g, like):
+    """``g`` summed over the mesh axes it varies over and ``like`` does not (a gradient's implicit sums)."""
+    extra = tuple(sorted(jax_cp.vma(g) - jax_cp.vma(like)))
+    return jax.lax.psum(g, extra) if extra else g
+
+
+_fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
 
 
 def abstract_model(cfg: LlamaConfig | str, mesh=None, **kw) -> Llama:

@@ -2,6 +2,7 @@
 reduce-scatter), and ``CPAttention(..., split_over_tp=True)`` (the input and output split over tp along
 the features): values and gradients equal the plain layouts', the collectives are the ones promised,
 and bad input is a ValueError."""
+import dataclasses
 import re
 
 import jax
@@ -121,3 +122,55 @@ def test_split_over_tp_errors():
         a6 = nnx.jit(lambda: jax_cp.CPAttention(4, 34, head_dim=8, num_kv_heads=4, mesh=odd, rngs=nnx.Rngs(0)))()
     with pytest.raises(ValueError, match=r"splits the features over tp=4, but in_features=34 is not a multiple"):
         a6(jnp.zeros((B, S, 34)), split_over_tp=True)
+
+
+def _logits_loss(model, batch):
+    """The cross entropy from the model's [B, S, V] float32 logits: what models.llama.next_token_loss fuses."""
+    logits = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+    picked = jnp.take_along_axis(logits, batch["labels"][..., None].astype(jnp.int32), axis=-1)[..., 0]
+    w = batch["weights"].astype(jnp.float32)
+    return jnp.sum((jax.nn.logsumexp(logits, -1) - picked) * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+@pytest.mark.parametrize("tie,cap,fsdp,chunk_bytes", [(True, None, False, None), (False, 30.0, True, 4096),
+                                                     (True, None, True, 2048)])
+def test_fused_loss_equals_the_logits_loss(tie, cap, fsdp, chunk_bytes, monkeypatch):
+    """next_token_loss (the head and the cross entropy fused, chunks of tokens recomputed in the backward)
+    gives the loss and gradients of the cross entropy of the whole logits: tied and untied heads, a final
+    soft cap, FSDP, one chunk and 8 (float32, mesh dp 2 x cp 2 x tp 2)."""
+    from models import llama
+    from test_train import _batch
+
+    if chunk_bytes is not None:  # the tiny model's [2, 16, 160] float32 logits a device: 8 chunks
+        monkeypatch.setattr(llama, "LOSS_CHUNK_BYTES", chunk_bytes)
+        assert llama._loss_chunks(2, 16, 160, chunk_bytes) == {4096: 8, 2048: 16}[chunk_bytes]
+    mesh = jax_cp.make_mesh(dp=2, cp_colossal=2, tp=2, axis_types=AxisType.Auto)
+    cfg = dataclasses.replace(llama.CONFIGS["tiny"], tie_embeddings=tie, final_logits_soft_cap=cap)
+    with jax.set_mesh(mesh):
+        model = nnx.jit(lambda: llama.Llama(cfg, mesh=mesh, dtype=jnp.float32, rngs=nnx.Rngs(0), fsdp=fsdp,
+                                            fsdp_axes=llama.FSDP_AXES))()
+        batch = _batch(mesh, B=4)
+        (loss, _), grads = nnx.jit(nnx.value_and_grad(llama.next_token_loss, has_aux=True))(model, batch)
+        ref, ref_grads = nnx.jit(nnx.value_and_grad(_logits_loss))(model, batch)
+    assert_close(loss, ref, jnp.float32, "loss")
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        assert_close(g, r, jnp.float32, f"d{jax.tree_util.keystr(path)}")
+
+
+def test_model_trains_on_explicit_and_auto_meshes_alike():
+    """The Llama model (FSDP over dp and cp, the residual split over tp) on an Explicit mesh gives the
+    Auto mesh's loss and gradients: every shard_map input is resharded to its in_specs first."""
+    from models import llama
+    from test_train import _batch
+
+    out = {}
+    for axis_type in (AxisType.Auto, AxisType.Explicit):
+        mesh = jax_cp.make_mesh(dp=2, cp_colossal=2, tp=2, axis_types=axis_type)
+        with jax.set_mesh(mesh):
+            model = nnx.jit(lambda: llama.Llama(llama.CONFIGS["tiny"], mesh=mesh, dtype=jnp.float32,
+                                                rngs=nnx.Rngs(0), fsdp=True, fsdp_axes=llama.FSDP_AXES))()
+            (loss, _), grads = nnx.jit(nnx.value_and_grad(llama.next_token_loss, has_aux=True))(model, _batch(mesh, B=4))
+        out[axis_type] = (loss, jax.tree.leaves(grads))
+    assert_close(out[AxisType.Explicit][0], out[AxisType.Auto][0], jnp.float32, "loss")
+    for g, r in zip(out[AxisType.Explicit][1], out[AxisType.Auto][1]):
+        assert_close(g, r, jnp.float32, "gradient")
