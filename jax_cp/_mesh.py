@@ -225,8 +225,15 @@ def unshard(w: jax.Array, stored: P, spec: P, dtype=None) -> jax.Array:
 
 
 def vma(x) -> frozenset:
-    """The mesh axes ``x`` varies over inside ``shard_map`` (its type's ``vma``; ``manual_axis_type.varying``
-    in older JAX)."""
+    """The mesh axes ``x`` varies over inside ``shard_map``.
+
+    Args:
+        x: a value traced inside ``jax.shard_map``.
+
+    Returns:
+        A frozenset of axis names: its type's ``vma`` (``manual_axis_type.varying`` in older JAX); empty
+        outside ``shard_map``.
+    """
     aval = jax.typeof(x)
     if hasattr(aval, "vma"):
         return frozenset(aval.vma or ())

@@ -472,7 +472,14 @@ def fused_cross_entropy(h_BSD, w_DV, labels_BS, weights_BS, *, cap: float | None
     B, S, _ = h_BSD.shape
     V = w_DV.shape[1]
     n = _loss_chunks(B, S, V, chunk_bytes)
-    return _fused_ce(h_BSD, w_DV, labels_BS, weights_BS, cap, n)
+    # Both typed varying over every axis first: their gradients' sums over the axes they do not vary over are
+    # then the transposes of these casts, outside the custom VJP, as every other weight's in the model.
+    return _fused_ce(_varying(h_BSD), _varying(w_DV), labels_BS, weights_BS, cap, n)
+
+
+def _varying(a):
+    missing = tuple(ax for ax in jax.sharding.get_abstract_mesh().axis_names if ax not in jax_cp.vma(a))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
 
 
 def _loss_chunks(B: int, S: int, V: int, chunk_bytes: int) -> int:

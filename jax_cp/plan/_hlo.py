@@ -696,7 +696,7 @@ def _describe(mod, comp, i, names, instrs, done_pos, inside, is_async, mesh_shap
     if phase == "fwd" and _TRANSPOSED_IN_SHARD_MAP.search(op_name):
         # Inside a shard_map, the transposes of pvary (a psum), psum_scatter (an all-gather) and all_gather (a
         # reduce-scatter) keep the forward's name: such a collective is the backward's when its data is.
-        phase = _phase_from_producers(names, _data_entry(i, instrs), depth=3)
+        phase = _phase_from_producers(names, _data_entry(i, instrs), depth=1)  # (deeper, CSE mixes the two)
     return Collective(
         name=i.name, kind=_kind(core.opcode), axes=_axes(groups, mesh_shape, axis_names),
         group_size=max((len(g) for g in groups), default=1) if core.opcode != "collective-permute" else 2,
