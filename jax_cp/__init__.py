@@ -15,11 +15,12 @@ from jax_cp import exchanges, kernels, linear, linen, load_balance, reference
 from jax_cp._attention import dot_product_attention, visibility
 from jax_cp._defaults import describe_kernel
 from jax_cp._layer import AttentionSharding, param_shapes, param_specs
-from jax_cp._mesh import AXES, COLOSSAL, DP, TP, ULYSSES, MeshDims, gather, make_mesh, mesh_dims, place, unshard, vma
+from jax_cp._mesh import AXES, COLOSSAL, DP, TP, ULYSSES, MeshDims, gather, make_mesh, mesh_dims, place, unshard
 from jax_cp._module import CPAttention
 from jax_cp._posenc import RoPE, apply_rope, rms_norm
 from jax_cp._spec import AttentionSpec
 from jax_cp._ulysses import heads_to_seq, seq_to_heads
+from jax_cp._vma import vma
 
 __all__ = [
     "AXES", "AttentionSharding", "AttentionSpec", "COLOSSAL", "CPAttention", "DP", "MeshDims", "RoPE", "TP",

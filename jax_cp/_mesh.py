@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jax_cp._checks import check_positive_int
+from jax_cp._vma import vma
 
 DP, COLOSSAL, ULYSSES, TP = "dp", "cp_colossal", "cp_ulysses", "tp"
 AXES = (DP, COLOSSAL, ULYSSES, TP)
@@ -222,22 +223,6 @@ def unshard(w: jax.Array, stored: P, spec: P, dtype=None) -> jax.Array:
     held = set(vma(w)) | {a for _, axes in dims for a in axes}
     summed = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a not in held)
     return _unshard(w, dims, dtype, summed)
-
-
-def vma(x) -> frozenset:
-    """The mesh axes ``x`` varies over inside ``shard_map``.
-
-    Args:
-        x: a value traced inside ``jax.shard_map``.
-
-    Returns:
-        A frozenset of axis names: its type's ``vma`` (``manual_axis_type.varying`` in older JAX); empty
-        outside ``shard_map``.
-    """
-    aval = jax.typeof(x)
-    if hasattr(aval, "vma"):
-        return frozenset(aval.vma or ())
-    return frozenset(getattr(getattr(aval, "manual_axis_type", None), "varying", ()) or ())
 
 
 def gather(x: jax.Array, mesh: Mesh, stored: P, spec: P) -> jax.Array:

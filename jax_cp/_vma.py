@@ -10,7 +10,14 @@ __all__ = ["unchecked", "vary_as", "varying", "vma"]
 
 
 def vma(x) -> frozenset:
-    """The manual mesh axes ``x`` varies over inside ``jax.shard_map`` (empty outside)."""
+    """The manual mesh axes ``x`` varies over inside ``jax.shard_map``.
+
+    Args:
+        x: a value (traced inside ``jax.shard_map``, or not).
+
+    Returns:
+        A frozenset of axis names (empty outside ``shard_map``), on every supported JAX release.
+    """
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; older releases call it ``vma``
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
