@@ -539,7 +539,7 @@ def _fused_ce_bwd(cap, n, res, g):
         if cap is not None:
             d = d * (1.0 - (logits / cap) ** 2)
         d = d.astype(h.dtype)
-        dh = jnp.einsum("bsv,dv->bsd", d, w, preferred_element_type=jnp.float32)
+        dh = jnp.einsum("bsv,dv->bsd", d, w, preferred_element_type=jnp.float32).astype(h.dtype)  # stacked: h's
         return dw + jnp.einsum("bsd,bsv->dv", h_c, d, preferred_element_type=jnp.float32), dh
 
     # The carry's type is the chunk's dw's: varying over every axis (tokens over dp and CP, vocabulary over tp).
