@@ -135,11 +135,11 @@ class Sharding:
     """Where parameters are stored and where activations live.
 
     ``fsdp=True`` additionally shards every weight matrix for storage over ``fsdp_axes``
-    (``("dp",)`` by default; ``FSDP_AXES`` adds the CP axes): each matmul gathers its weight to
-    the ``tp``-only layout first (:meth:`compute`, an explicit all-gather: ``jax_cp.gather``),
-    so the gradient sum of a weight over those axes is a reduce-scatter, half the bytes of a
-    replicated weight's all-reduce (the TPU compiler still runs both synchronously in the
-    schedules measured: benchmarks/RESULTS.md, "A whole training step").
+    (``("dp",)`` by default; ``FSDP_AXES`` adds the CP axes; vectors stay whole): each weight enters
+    the ``shard_map`` that uses it as stored and is all-gathered there to the ``tp``-only layout
+    (:meth:`compute`; ``jax_cp.unshard``), so its gradient sum over those axes is a reduce-scatter.
+    ``residual_BSD``: the residual stream between blocks, split over ``tp`` along D by
+    ``model_sharding`` where tp divides it.
     """
 
     fsdp: bool = False
