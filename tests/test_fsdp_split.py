@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_cp
 from util import assert_close
@@ -174,3 +174,18 @@ def test_model_trains_on_explicit_and_auto_meshes_alike():
     assert_close(out[AxisType.Explicit][0], out[AxisType.Auto][0], jnp.float32, "loss")
     for g, r in zip(out[AxisType.Explicit][1], out[AxisType.Auto][1]):
         assert_close(g, r, jnp.float32, "gradient")
+
+
+def test_linen_split_over_tp_equals_the_whole_input():
+    """jax_cp.linen.CPAttention takes split_over_tp too: the same output, split over tp (float32)."""
+    import flax.linen as nn
+
+    mesh = jax_cp.make_mesh(dp=1, cp_colossal=2, cp_ulysses=2, tp=2, axis_types=AxisType.Auto)
+    model = jax_cp.linen.CPAttention(H, D, num_kv_heads=4, mesh=mesh, is_causal=True)
+    x = jax.random.normal(jax.random.key(5), (B, S, D))
+    params = nn.unbox(model.init(jax.random.key(0), x))["params"]
+    whole = jax.jit(lambda p, x: model.apply({"params": p}, x))(params, x)
+    split_in = jax_cp.place(x, mesh, P("dp", ("cp_colossal", "cp_ulysses"), "tp"))
+    split = jax.jit(lambda p, x: model.apply({"params": p}, x, split_over_tp=True))(params, split_in)
+    assert split.sharding.is_equivalent_to(NamedSharding(mesh, P("dp", ("cp_colossal", "cp_ulysses"), "tp")), 3)
+    assert_close(split, whole, jnp.float32, "linen output")
