@@ -230,11 +230,11 @@ def _enter_params(params: dict, specs: dict, stored: dict, mesh) -> tuple[dict, 
     placed, in_specs, inside = {}, {}, []
     for k, sp in specs.items():
         st = None if stored.get(k) is None else P(*stored[k])
-        if st is not None and st != sp and gather_dims(st, sp, params[k].ndim):
+        if st is not None and gather_dims(st, sp, params[k].ndim):  # (the same layout: no dims, falsy)
             placed[k], in_specs[k] = place(params[k], mesh, st), st
             inside.append((k, st, sp))
         else:
-            placed[k], in_specs[k] = place(params[k] if st is None else gather(params[k], mesh, st, sp), mesh, sp), sp
+            placed[k], in_specs[k] = place(params[k], mesh, sp), sp  # (any other layout: resharded)
     return placed, in_specs, tuple(inside)
 
 

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jax_cp._checks import check_positive_int
-from jax_cp._vma import vma
 
 DP, COLOSSAL, ULYSSES, TP = "dp", "cp_colossal", "cp_ulysses", "tp"
 AXES = (DP, COLOSSAL, ULYSSES, TP)
@@ -167,25 +166,25 @@ def gather_dims(stored: P, spec: P, rank: int) -> tuple[tuple[int, tuple[str, ..
     return dims if same else None
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _unshard(w, dims, dtype, summed):
-    w = w.astype(dtype)
+def _gather_blocks(w, dims):
+    """Inside ``shard_map``: ``w`` all-gathered (tiled) over ``axes`` along each ``(dim, axes)`` of ``dims``."""
     for i, axes in dims:
         w = jax.lax.all_gather(w, axes, axis=i, tiled=True)
     return w
 
 
-def _unshard_fwd(w, dims, dtype, summed):
-    return _unshard(w, dims, dtype, summed), jnp.zeros((), w.dtype)
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _unshard(w, dims, dtype):
+    return _gather_blocks(w.astype(dtype), dims)
 
 
-def _unshard_bwd(dims, dtype, summed, res, g):
+def _unshard_fwd(w, dims, dtype):
+    return _unshard(w, dims, dtype), jnp.zeros((), w.dtype)
+
+
+def _unshard_bwd(dims, dtype, res, g):
+    # g has the gathered weight's type: sums over axes the weight does not vary over happened at its uses.
     g = g.astype(res.dtype)  # the sum over devices in the stored dtype (float32 parameters: float32)
-    # Axes the gradient varies over (the tokens' data and CP axes) that the stored weight neither varies over
-    # nor is stored over: a plain sum.
-    extra = tuple(a for a in summed if a in vma(g))
-    if extra:
-        g = jax.lax.psum(g, extra)
     for i, axes in reversed(dims):
         g = jax.lax.psum_scatter(g, axes, scatter_dimension=i, tiled=True)
     return (g,)
@@ -218,11 +217,7 @@ def unshard(w: jax.Array, stored: P, spec: P, dtype=None) -> jax.Array:
         raise ValueError(f"stored={stored} is not spec={spec} plus storage axes on dimensions spec leaves whole; "
                          "store the weight in its compute layout with the storage axes added.")
     dtype = w.dtype if dtype is None else jnp.dtype(dtype)
-    if not dims:
-        return w.astype(dtype)
-    held = set(vma(w)) | {a for _, axes in dims for a in axes}
-    summed = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a not in held)
-    return _unshard(w, dims, dtype, summed)
+    return _unshard(w, dims, dtype) if dims else w.astype(dtype)
 
 
 def gather(x: jax.Array, mesh: Mesh, stored: P, spec: P) -> jax.Array:
@@ -249,11 +244,7 @@ def gather(x: jax.Array, mesh: Mesh, stored: P, spec: P) -> jax.Array:
     if not dims:
         return place(x, mesh, spec)
 
-    def shard(w):
-        for i, axes in dims:
-            w = jax.lax.all_gather(w, axes, axis=i, tiled=True)
-        return w
-
+    shard = partial(_gather_blocks, dims=dims)
     # all_gather's result is typed varying (only all_gather_invariant's is not, and that one transposes to a
     # slice, not a reduce-scatter): the gathered weight is the same on every device, so the check is off.
     return jax.shard_map(shard, mesh=mesh, in_specs=stored, out_specs=spec, check_vma=False)(place(x, mesh, stored))

@@ -198,13 +198,6 @@ def _param(mesh, sharding: Sharding, value, spec: P) -> nnx.Param:
     return nnx.Param(jax_cp.place(value, mesh, spec), out_sharding=tuple(spec), eager_sharding=False)
 
 
-def _weight(param: nnx.Param, mesh, dtype):
-    """A parameter in its compute layout (an explicit all-gather when FSDP stores it sharded, so that
-    its gradient is a reduce-scatter) and dtype."""
-    stored = _stored(param)
-    return jax_cp.gather(param[...], mesh, stored, Sharding.compute(stored)).astype(dtype)
-
-
 def _stored(param: nnx.Param) -> P:
     return P(*param.get_metadata()["out_sharding"])
 
@@ -389,7 +382,7 @@ class Llama(nnx.Module):
         tied = self.cfg.tie_embeddings
 
         def head(h, w):  # the vocabulary split over tp; FSDP: the weight gathered here
-            w = _unsharded(w, self.embed if tied else self.head, self.dtype)
+            w = _unsharded(w, self.head_weight, self.dtype)
             return jnp.einsum("bsd,vd->bsv" if tied else "bsd,dv->bsv", h, w, preferred_element_type=jnp.float32)
 
         logits = _shard_mapped(head, self.mesh, h_BSD, sh.x_BSD, (self.head_weight,), sh.logits_BSV)
@@ -547,13 +540,7 @@ def _fused_ce_bwd(cap, n, res, g):
                         to="varying")
     dw, dh = jax.lax.scan(chunk, dw0, (_ce_chunks(h, n), _ce_chunks(labels, n), _ce_chunks(weights, n), lse))
     dh = jnp.moveaxis(dh, 0, 1).reshape(h.shape)
-    return (_sum_to(dh, h).astype(h.dtype), _sum_to(dw, w).astype(w.dtype), None, None)
-
-
-def _sum_to(g, like):
-    """``g`` summed over the mesh axes it varies over and ``like`` does not (a gradient's implicit sums)."""
-    extra = tuple(sorted(jax_cp.vma(g) - jax_cp.vma(like)))
-    return jax.lax.psum(g, extra) if extra else g
+    return dh, dw.astype(w.dtype), None, None  # both vary over every axis, as h and w do (fused_cross_entropy)
 
 
 _fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
