@@ -132,12 +132,14 @@ def _logits_loss(model, batch):
     return jnp.sum((jax.nn.logsumexp(logits, -1) - picked) * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
-@pytest.mark.parametrize("tie,cap,fsdp,chunk_bytes", [(True, None, False, None), (False, 30.0, True, 4096),
-                                                     (True, None, True, 2048)])
-def test_fused_loss_equals_the_logits_loss(tie, cap, fsdp, chunk_bytes, monkeypatch):
+@pytest.mark.parametrize("tie,cap,fsdp,chunk_bytes,jit", [(True, None, False, None, True),
+                                                         (False, 30.0, True, 4096, True),
+                                                         (True, None, True, 2048, True),
+                                                         (False, None, True, 4096, False)])
+def test_fused_loss_equals_the_logits_loss(tie, cap, fsdp, chunk_bytes, jit, monkeypatch):
     """next_token_loss (the head and the cross entropy fused, chunks of tokens recomputed in the backward)
     gives the loss and gradients of the cross entropy of the whole logits: tied and untied heads, a final
-    soft cap, FSDP, one chunk and 8 (float32, mesh dp 2 x cp 2 x tp 2)."""
+    soft cap, FSDP, one chunk and 8, under jit and eagerly (float32, mesh dp 2 x cp 2 x tp 2)."""
     from models import llama
     from test_train import _batch
 
@@ -150,7 +152,8 @@ def test_fused_loss_equals_the_logits_loss(tie, cap, fsdp, chunk_bytes, monkeypa
         model = nnx.jit(lambda: llama.Llama(cfg, mesh=mesh, dtype=jnp.float32, rngs=nnx.Rngs(0), fsdp=fsdp,
                                             fsdp_axes=llama.FSDP_AXES))()
         batch = _batch(mesh, B=4)
-        (loss, _), grads = nnx.jit(nnx.value_and_grad(llama.next_token_loss, has_aux=True))(model, batch)
+        wrap = nnx.jit if jit else (lambda f: f)  # eagerly: the custom VJP outside jit too
+        (loss, _), grads = wrap(nnx.value_and_grad(llama.next_token_loss, has_aux=True))(model, batch)
         ref, ref_grads = nnx.jit(nnx.value_and_grad(_logits_loss))(model, batch)
     assert_close(loss, ref, jnp.float32, "loss")
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
@@ -189,3 +192,58 @@ def test_linen_split_over_tp_equals_the_whole_input():
     split = jax.jit(lambda p, x: model.apply({"params": p}, x, split_over_tp=True))(params, split_in)
     assert split.sharding.is_equivalent_to(NamedSharding(mesh, P("dp", ("cp_colossal", "cp_ulysses"), "tp")), 3)
     assert_close(split, whole, jnp.float32, "linen output")
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_split_fsdp_layer_equals_the_reference_eagerly(x64):
+    """CPAttention stored FSDP over dp and cp and called with split_over_tp, run eagerly (jax.vjp outside
+    jit) against the single-device reference with the same parameters: output and every gradient, in
+    float32 and (x64) in float64 at 1e-12, so no float32 step sits on the float64 path."""
+    from jax_cp import reference
+
+    with jax.enable_x64(x64):
+        dt = jnp.float64 if x64 else jnp.float32
+        mesh = jax_cp.make_mesh(dp=2, cp_colossal=2, tp=2, axis_types=AxisType.Auto)
+        kw = dict(num_kv_heads=4, is_causal=True, use_bias=True, use_qk_norm=True, rope_theta=1e4)
+        compute = jax_cp.param_specs(jax_cp.CPAttention(H, D, mesh=mesh, rngs=nnx.Rngs(0), **kw).spec, mesh)
+        fsdp = jax_cp.AttentionSharding(**{k: P(*[("dp", "cp_colossal") if i == 0 else a
+                                                  for i, a in enumerate(getattr(compute, k))])
+                                          for k in ("q_kernel", "k_kernel", "v_kernel", "o_kernel")})
+        model = jax_cp.CPAttention(H, D, mesh=mesh, sharding=fsdp, dtype=dt, param_dtype=dt, rngs=nnx.Rngs(0), **kw)
+        ref = reference.Attention(H, D, dtype=dt, param_dtype=dt, rngs=nnx.Rngs(0), **kw)
+        gd, state = nnx.split(model)
+        rgd, rstate = nnx.split(ref)
+        nnx.replace_by_pure_dict(rstate, jax.tree.map(np.asarray, nnx.to_pure_dict(state)))
+        x = jax.random.normal(jax.random.key(3), (B, S, D), dt)
+        ct = jax.random.normal(jax.random.key(4), (B, S, D), dt)
+        split = P("dp", ("cp_colossal", "cp_ulysses"), "tp")
+        out, vjp = jax.vjp(lambda s, x: nnx.merge(gd, s)(jax_cp.place(x, mesh, split), split_over_tp=True),
+                           state, x)
+        g, gx = vjp(ct)
+        r_out, r_vjp = jax.vjp(lambda s, x: nnx.merge(rgd, s)(x), rstate, x)
+        rg, rgx = r_vjp(ct)
+        assert out.dtype == dt
+        pairs = [("output", out, r_out), ("dx", gx, rgx)] + [
+            (f"d{k}", v, nnx.to_pure_dict(rg)[k]) for k, v in nnx.to_pure_dict(g).items()]
+        for what, a, b in pairs:
+            if x64:
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-12, err_msg=what)
+            else:
+                assert_close(a, b, jnp.float32, what)
+
+
+def test_unshard_gradient_eagerly():
+    """jax.grad of a shard_map using unshard, outside jit, equals the single-device gradient."""
+    mesh = jax.make_mesh((2, 2, 1, 2), jax_cp.AXES, axis_types=(AxisType.Auto,) * 4)
+    x = jax.random.normal(jax.random.key(0), (4, 16, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 12))
+    stored = P(("dp", "cp_colossal"), "tp")
+
+    def loss(w):
+        body = lambda x, w: x @ jax_cp.unshard(w, stored, P(None, "tp"))  # noqa: E731
+        y = jax.shard_map(body, mesh=mesh, in_specs=(P("dp", "cp_colossal", None), stored),
+                          out_specs=P("dp", "cp_colossal", "tp"))(
+            jax_cp.place(x, mesh, P("dp", "cp_colossal", None)), jax_cp.place(w, mesh, stored))
+        return jnp.sum(jnp.sin(y))
+
+    assert_close(jax.grad(loss)(w), jax.grad(lambda w: jnp.sum(jnp.sin(x @ w)))(w), jnp.float32, "dW eagerly")
