@@ -5,8 +5,10 @@ and are resolved when the layer is traced, from the mesh's devices (platform,
 TPU generation) and the layout (``c, u, t``, heads, kv heads, tokens per device):
 ``choose`` below is the one rule, a table of what the TPU compiler's schedule
 hid best (benchmarks/RESULTS.md "Overlap (planner)", Llama-3-8B layer, the flags
-``plan.recommended_xla_flags`` gives), plus memory: the ring when all-gathered
-K/V would take more than a quarter of a device's HBM, and, with splash, the tokens per device
+``plan.recommended_xla_flags`` gives), plus memory: the ring when what a gathering exchange adds to
+a step (the gathered K/V, their copies and, in the backward, their gradients for the whole
+sequence: ``gathered_bytes``) would take more than an eighth of a device's HBM, and, with splash,
+the tokens per device
 (``SPLASH_LONG_RULES``). Explicit values win.
 """
 from __future__ import annotations
@@ -21,11 +23,23 @@ from jax_cp._chips import CHIPS
 from jax_cp._masks import Window, normalize_window
 from jax_cp.exchanges import AllGather, AllToAll, KVExchange, Ring
 
-__all__ = ["AUTO", "Choice", "choose", "choose_kernel", "chip_of", "describe_kernel", "int_or_auto", "MEASURED_AT", "RULES", "SPLASH_RULES",
+__all__ = ["AUTO", "Choice", "choose", "choose_kernel", "chip_of", "describe_kernel", "gathered_bytes", "int_or_auto", "MEASURED_AT", "RULES", "SPLASH_RULES",
            "SPLASH_LONG_RULES"]
 
 AUTO = "auto"
-KV_MEMORY_SHARE = 0.25  # gathered K/V (and their float32 gradients) beyond this share of HBM: the ring
+KV_MEMORY_SHARE = 0.125  # what a gathering exchange holds beyond this share of HBM: the ring
+GATHER_PEAK_FACTOR = 6  # bytes a gathering exchange adds to a step's peak per byte of gathered K/V
+
+
+def gathered_bytes(kv_bytes: float) -> float:
+    """What an all-gather or all-to-all K/V exchange adds to a training step's peak memory per device,
+    beyond the ring's, for ``kv_bytes`` of all-gathered K/V (one layer): ``GATHER_PEAK_FACTOR`` times
+    them. Measured on the compiled 1M-token Llama 3.1 8B step on v5p (B = 1, c = 64, bfloat16, FSDP,
+    remat, 2 layers; docs/guides/maxtext.md): 35.1 GiB against the ring's 11.9 for 4 GiB of K/V
+    (5.8x): the all-to-all's c copies in and out, the kernel's K and V layouts, and in the backward the
+    whole sequence's dK/dV in bfloat16 and float32, in and out of their all-to-all. With 32 layers the
+    step needed 99.5 GiB (the ring's: 45.9), which did not fit the chip's 95."""
+    return GATHER_PEAK_FACTOR * kv_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +142,9 @@ def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads
            kernel=_kernels.BLOCKWISE, tokens_per_device: int | None = None) -> Choice:
     """The grouping for a layout (pure: no devices needed; tests call it per platform and layout).
 
-    ``kv_bytes_per_device``: all-gathered K/V of one layer on one device; with
-    ``hbm_bytes`` it decides whether the O(S/c) ring is needed. ``kernel``: the local kernel the
+    ``kv_bytes_per_device``: all-gathered K/V of one layer on one device; with ``hbm_bytes`` it
+    decides whether the O(S/c) ring is needed (where ``gathered_bytes`` exceeds ``KV_MEMORY_SHARE``
+    of HBM: the rest of a step, its other layers' saved activations included, needs the remainder). ``kernel``: the local kernel the
     layer runs (``"splash"`` takes ``SPLASH_RULES`` where they have the layout kind, and
     ``SPLASH_LONG_RULES`` from their ``tokens_per_device``, ``S / (c u)``, on). A table's
     ``"<kind>, t=1"`` entry, where there is one, is the rule for ``t == 1``.
@@ -151,11 +166,12 @@ def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads
     why = (f"measured {measured}" + ("" if chip in RULES else f" (chip {chip or 'unknown'}: the {TPU_FALLBACK} rule)")
            + f" [{known} = {MEASURED_AT[known]}]")
     claim = _measured_overlap(measured)
-    if c > 1 and exchange != Ring() and kv_bytes_per_device and hbm_bytes \
-            and kv_bytes_per_device > KV_MEMORY_SHARE * hbm_bytes:
+    held = gathered_bytes(kv_bytes_per_device) if kv_bytes_per_device else 0.0
+    if c > 1 and exchange != Ring() and hbm_bytes and held > KV_MEMORY_SHARE * hbm_bytes:
         exchange, fused, claim = Ring(), fused if u > 1 else 0, None  # not the measured exchange
-        why = (f"all-gathered K/V {kv_bytes_per_device / 2**30:.1f} GiB > {KV_MEMORY_SHARE:.0%} of "
-               f"{hbm_bytes / 2**30:.0f} GiB HBM: the ring; chunks as {why}")
+        why = (f"a gathering exchange would add {held / 2**30:.1f} GiB (for {kv_bytes_per_device / 2**30:.1f} GiB "
+               f"of gathered K/V) > {KV_MEMORY_SHARE:.1%} of {hbm_bytes / 2**30:.0f} GiB HBM: the ring; "
+               f"chunks as {why}")
     per_device = num_heads // (t * u)
     n = _divisor_at_most(per_device, n)
     fused = min(fused, n) if exchange.fuses_qkv else 0

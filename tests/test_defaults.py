@@ -6,7 +6,7 @@ from flax import nnx
 
 import jax_cp
 from jax_cp import exchanges
-from jax_cp._defaults import KV_MEMORY_SHARE, RULES, SPLASH_LONG_RULES, chip_of, choose
+from jax_cp._defaults import KV_MEMORY_SHARE, RULES, gathered_bytes, SPLASH_LONG_RULES, chip_of, choose
 
 AG, A2A, RING = exchanges.AllGather(), exchanges.AllToAll(), exchanges.Ring()
 GiB = 2**30
@@ -41,14 +41,20 @@ def test_chunks_fit_the_heads_and_memory_picks_the_ring():
     assert (got.overlap_chunks, got.fused_qkv_chunks) == (2, 1)
     # 1 head per device: one chunk.
     assert choose(platform="tpu", chip="v5p", c=1, u=4, t=2, num_heads=8).overlap_chunks == 1
-    # All-gathered K/V beyond a quarter of HBM: the ring (O(S/c) memory), whatever the table says.
+    # What a gathering exchange adds to a step (6x its gathered K/V, measured) beyond an eighth of HBM: the
+    # ring (O(S/c) memory), whatever the table says.
     hbm = 16 * GiB
-    big = choose(platform="tpu", chip="v5e", c=4, u=1, t=4, num_heads=32, kv_bytes_per_device=0.3 * hbm,
-                 hbm_bytes=hbm)
-    small = choose(platform="tpu", chip="v5e", c=4, u=1, t=4, num_heads=32, kv_bytes_per_device=0.2 * hbm,
-                   hbm_bytes=hbm)
-    assert big.kv_exchange == RING and "the ring" in big.why and small.kv_exchange == A2A
-    assert KV_MEMORY_SHARE == 0.25
+    layer = dict(platform="tpu", chip="v5e", c=4, u=1, t=4, num_heads=32, hbm_bytes=hbm)
+    big = choose(**layer, kv_bytes_per_device=0.021 * hbm)
+    small = choose(**layer, kv_bytes_per_device=0.020 * hbm)
+    assert big.kv_exchange == RING and small.kv_exchange == A2A
+    assert "would add 2.0 GiB (for 0.3 GiB of gathered K/V) > 12.5% of 16 GiB HBM: the ring" in big.why
+    assert gathered_bytes(GiB) == 6 * GiB and KV_MEMORY_SHARE == 0.125
+    # Llama 3.1 8B, B = 1, 1M tokens over c = 64 (8 kv heads of 128, bf16: 4 GiB gathered) on v5p: the ring
+    # (the all-to-all's step did not fit: 99.5 GiB a chip, docs/guides/maxtext.md); 256K keeps the table's.
+    v5p = dict(platform="tpu", chip="v5p", c=64, u=1, t=1, num_heads=32, hbm_bytes=95 * GiB)
+    assert choose(**v5p, kv_bytes_per_device=2**20 * 8 * 256 * 2).kv_exchange == RING
+    assert choose(**v5p, kv_bytes_per_device=2**18 * 8 * 256 * 2).kv_exchange == A2A
 
 
 def test_chip_of_reads_the_device_kind():
