@@ -42,7 +42,7 @@ class HybridConfig(LlamaConfig):
     linear_value_head_dim: int = 16
     linear_conv_kernel_dim: int = 4
     linear_chunk_size: int = 64
-    linear_max_pieces: int | None = None  # jax_cp.linear.GatedDeltaNetSpec.max_pieces
+    linear_max_pieces: int | None = None  # GatedDeltaNetSpec.max_pieces; None: models.train sizes each batch
 
     def __post_init__(self):
         super().__post_init__()
@@ -71,10 +71,7 @@ CONFIGS = {
     "hybrid-tiny": HybridConfig(vocab_size=320, d_model=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
                                 d_ff=192, rope_theta=10_000.0, use_qk_norm=True, tie_embeddings=True,
                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                                linear_value_head_dim=16, linear_chunk_size=16,
-                                # any dispatch plan's order: up to 32 chunks a rank (8, halved twice), each
-                                # continuing a document from another rank and continued on one, and the final token
-                                linear_max_pieces=65),
+                                linear_value_head_dim=16, linear_chunk_size=16),
 }
 
 
@@ -150,6 +147,14 @@ class Hybrid(Llama):
         for block in self.blocks:
             if isinstance(block.attn, jax_cp.CPAttention):
                 block.attn.spec = block.attn.spec.replace(kv_exchange=kv_exchange)
+
+    def use_linear_pieces(self, pieces: int) -> None:
+        """Every DeltaNet layer holds ``pieces`` state slots per CP rank from now on
+        (``GatedDeltaNetSpec.max_pieces``). For a batch's own count (``models.train.linear_pieces``)
+        inside a jitted step: call it on the model merged there, with ``pieces`` a static argument."""
+        for block in self.blocks:
+            if isinstance(block.attn, linear.GatedDeltaNet):
+                block.attn.spec = dataclasses.replace(block.attn.spec, max_pieces=pieces)
 
 
 def abstract_model(cfg: LlamaConfig | str, mesh=None, **kw) -> Llama:

@@ -112,13 +112,14 @@ class TrainConfig:
     xla_flags: bool = True  # apply jax_cp.plan's recommended XLA flags on TPU / GPU hosts
     init_from: str | None = None  # a Hugging Face checkpoint folder: its model, weights and tokenizer (models.hf)
     rope_scaling: str | None = None  # with init_from: linear:F or llama3:F stretches its RoPE for F times the context
+    linear_pieces: int | None = None  # hybrid models: fixed state slots a linear layer holds (None: each batch's need)
 
     def __post_init__(self):
         from models import hybrid, llama
 
         positive = ["cp_colossal", "cp_ulysses", "tp", "seq_len", "batch", "steps", "heartbeat_timeout"]
         positive += ["overlap_chunks"] if self.overlap_chunks != "auto" else []
-        positive += [n for n in ("devices", "dp", "num_processes") if getattr(self, n) is not None]
+        positive += [n for n in ("devices", "dp", "num_processes", "linear_pieces") if getattr(self, n) is not None]
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -240,6 +241,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="load-balance order: a dispatch plan per batch (equal attention work per CP rank on packed "
                         "rows) or the fixed dual-chunk order (balanced for one document per row)")
     g.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
+    g.add_argument("--linear-pieces", type=int, default=d.linear_pieces,
+                   help="hybrid models: state slots per CP rank of every linear layer, fixed (default: each batch's "
+                        "need, counted on the host and rounded up to a power of two: one program per value; "
+                        "--plan: the layer's default, min(S/cp_colossal, 16))")
     g.add_argument("--logits-soft-cap", type=float, default=d.logits_soft_cap,
                    help="cap every attention logit to c*tanh(logits/c) (Gemma 2 style)")
     g.add_argument("--use-sinks", action="store_true", help="a learned sink logit per query head (GPT-OSS style)")
@@ -431,6 +436,25 @@ def check_linear_slots(model_cfg, slots: tuple[int, int] | None, seq_len: int, d
                              "twice its chunks per rank, plus one).")
 
 
+def linear_pieces(model_cfg, slots: tuple[int, int] | None, seq_len: int, dims) -> int | None:
+    """The state slots a hybrid model's linear layers hold in the step of a batch needing ``slots``
+    (``_slots``): ``None`` (the layers' own ``linear_max_pieces``) without linear layers or CP, or where
+    the configuration fixes them (checked: ``check_linear_slots``); else the batch's need rounded up to a
+    power of two, the largest over processes (each counts its own rows): a static argument of the step,
+    so each value compiles once and a step moves only the states its order needs."""
+    if slots is None or not isinstance(model_cfg, HybridConfig):
+        return None
+    if model_cfg.linear_max_pieces is not None:
+        check_linear_slots(model_cfg, slots, seq_len, dims)
+        return None
+    need = max(slots)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        need = int(np.max(multihost_utils.process_allgather(np.int32(need))))
+    return 1 << max(need - 1, 0).bit_length()
+
+
 def _planned_exchange(plans: list[load_balance.Dispatch]):
     """The ``Attended`` exchange serving every plan (the largest buffers, agreed by every process: each
     plans its own dp shards), or ``None`` where some rank's queries need all the other ranks' keys."""
@@ -489,6 +513,11 @@ def model_config(cfg: TrainConfig):
     (soft cap, sinks)."""
     base = get_config(cfg.model) if cfg.init_from is None else hf.finetune_config(cfg.init_from, cfg.rope_scaling)[0]
     cap = base.logits_soft_cap if cfg.logits_soft_cap is None else cfg.logits_soft_cap
+    if cfg.linear_pieces is not None:
+        if not isinstance(base, HybridConfig):
+            raise ValueError(f"--linear-pieces={cfg.linear_pieces} sizes the linear layers of a hybrid model; "
+                             f"--model {cfg.model} has none: drop it.")
+        base = dataclasses.replace(base, linear_max_pieces=cfg.linear_pieces)
     return dataclasses.replace(base, logits_soft_cap=cap, use_sinks=base.use_sinks or cfg.use_sinks)
 
 
@@ -610,13 +639,22 @@ def _init_fn(cfg: TrainConfig, mesh, tx):
     return init
 
 
+def _use(model, kv_exchange=None, linear_pieces=None):
+    """``model`` with every attention layer's exchange and every linear layer's state slots set, where given."""
+    if kv_exchange is not None:
+        model.use_kv_exchange(kv_exchange)
+    if linear_pieces is not None:
+        model.use_linear_pieces(linear_pieces)
+    return model
+
+
 def _train_step_fn(graphdef):
-    """``(state, batch, kv_exchange=None) -> (state, metrics)``: loss, gradients and the optimizer update of
-    one step; ``kv_exchange`` (static: hashable): every attention layer's exchange, ``None`` the model's own."""
-    def train_step(state, batch, kv_exchange=None):
+    """``(state, batch, kv_exchange=None, linear_pieces=None) -> (state, metrics)``: loss, gradients and the
+    optimizer update of one step; static (hashable) arguments, ``None`` the model's own: ``kv_exchange``,
+    every attention layer's exchange; ``linear_pieces``, every linear layer's state slots."""
+    def train_step(state, batch, kv_exchange=None, linear_pieces=None):
         model, opt = nnx.merge(graphdef, state)
-        if kv_exchange is not None:
-            model.use_kv_exchange(kv_exchange)
+        _use(model, kv_exchange, linear_pieces)
         (loss, _), grads = nnx.value_and_grad(next_token_loss, has_aux=True)(model, batch)
         opt.update(model, grads)
         return nnx.state((model, opt)), {"loss": loss, "grad_norm": optax.global_norm(grads)}
@@ -728,13 +766,13 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
     shardings = jax.tree.map(lambda x: x.sharding, state)
     train_step = _train_step_fn(graphdef)
 
-    def eval_step(state, batch):
+    def eval_step(state, batch, linear_pieces=None):
         model, _ = nnx.merge(graphdef, state)
-        return next_token_loss(model, batch)
+        return next_token_loss(_use(model, linear_pieces=linear_pieces), batch)
 
     train_step = jax.jit(train_step, out_shardings=(shardings, None), donate_argnums=0,
-                         static_argnames="kv_exchange")  # one program per exchange value
-    eval_step = jax.jit(eval_step)
+                         static_argnames=("kv_exchange", "linear_pieces"))  # one program per value
+    eval_step = jax.jit(eval_step, static_argnames="linear_pieces")
 
     mngr = _manager(cfg) if (cfg.checkpoint_every or cfg.resume) else None
     start = 0
@@ -752,8 +790,11 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
         return {"start_step": start, "steps": cfg.steps, "losses": {}}
 
     def evaluate(state):
-        batches = (global_batch(s, s.eval_windows, i, cfg.batch)[0] for i in range(cfg.eval_batches))
-        losses = [eval_step(state, batch) for batch in batches]
+        losses = []
+        for i in range(cfg.eval_batches):
+            batch, balance = global_batch(s, s.eval_windows, i, cfg.batch)
+            pieces = linear_pieces(model_cfg, balance["slots"], cfg.seq_len, dims)
+            losses.append(eval_step(state, batch, linear_pieces=pieces))
         num = sum(float(l) * float(c) for l, c in losses)
         return num / max(sum(float(c) for _, c in losses), 1.0)
 
@@ -773,9 +814,9 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
         for step in range(start + 1, cfg.steps + 1):
             t_step = time.perf_counter()
             batch, balance = global_batch(s, s.train_windows, step - 1, cfg.batch)
-            check_linear_slots(model_cfg, balance.pop("slots"), cfg.seq_len, jax_cp.mesh_dims(s.mesh))
+            pieces = linear_pieces(model_cfg, balance.pop("slots"), cfg.seq_len, dims)
             exchange, programs = cap(balance.pop("kv_exchange")), train_step._cache_size()
-            state, metrics = train_step(state, batch, kv_exchange=exchange)
+            state, metrics = train_step(state, batch, kv_exchange=exchange, linear_pieces=pieces)
             loss = float(metrics["loss"])
             now = time.perf_counter()
             if train_step._cache_size() > programs:  # it compiled (the first step, a new exchange's first)
@@ -788,7 +829,7 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
             exchanges[name] = exchanges.get(name, 0) + 1
             record = {"event": "train", "step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
                       "lr": float(schedule(step - 1)), "step_s": now - t_step, "tokens_per_s": tps, **balance,
-                      "kv_exchange": name}
+                      "kv_exchange": name, **({} if pieces is None else {"linear_pieces": pieces})}
             _log(fh, record)
             balances.append(balance)
             bar.set_postfix({"loss": f"{loss:.3f}", "tok_s": f"{tps or 0:.0f}", **_balance_postfix(balance)},

@@ -4,6 +4,7 @@ rows equal to one device, and ``models.generate`` from the checkpoint it wrote e
 path's greedy continuation. Losses are compared in float32 with the float32 tolerance.
 """
 import dataclasses
+import json
 import re
 
 import jax
@@ -46,6 +47,8 @@ def test_three_linear_layers_per_attention_layer_and_their_caches():
     assert kv.shape[:2] == (2, 16)
     model.use_kv_exchange(jax_cp.exchanges.AllGather())  # reaches the attention layer only
     assert model.blocks[3].attn.spec.kv_exchange == jax_cp.exchanges.AllGather()
+    model.use_linear_pieces(4)  # reaches the DeltaNet layers only
+    assert [block.attn.spec.max_pieces for block in model.blocks[:3]] == [4, 4, 4]
     with pytest.raises(ValueError, match=r"num_v_heads=3 is not a multiple of num_k_heads=2"):
         hybrid.HybridConfig(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "linear_num_value_heads": 3})
 
@@ -66,6 +69,10 @@ def test_hybrid_trains_like_one_device_and_generates(short_docs, tmp_path, capsy
     np.testing.assert_allclose([cp["losses"][s] for s in (1, 2, 3)], [one["losses"][s] for s in (1, 2, 3)],
                                **TOL[jnp.dtype(jnp.float32)])
     assert one["losses"][3] < one["losses"][1]
+    # each step held the state slots its batch's order needed (a power of two), not a bound for any order
+    records = [json.loads(line) for line in (tmp_path / "cp" / "metrics.jsonl").read_text().splitlines()]
+    pieces = [r["linear_pieces"] for r in records if r["event"] == "train"]
+    assert len(pieces) == 3 and all(p & (p - 1) == 0 and p <= 16 for p in pieces), pieces
 
     mesh_flags = ["--cp-colossal", "2", "--cp-ulysses", "2", "--tp", "2"]
     gen_lib.main(["--checkpoint", str(tmp_path / "cp"), "--prompt", "def f", "--max-new-tokens", "6", *mesh_flags,
@@ -112,3 +119,27 @@ def test_a_batch_needing_more_state_slots_than_the_model_holds_is_a_value_error(
     with pytest.raises(ValueError, match=r"linear_max_pieces=None gives 16 state slots per cp_colossal rank"):
         train.check_linear_slots(default, (17, 3), 64, dims)
     train.check_linear_slots(hybrid.get_config("tiny"), (99, 99), 64, dims)  # no linear layers: nothing to check
+
+
+def test_each_batch_gets_the_state_slots_its_order_needs():
+    """``linear_max_pieces=None`` (hybrid-tiny's): the trainer gives each step the slots its batch's order
+    needs, rounded up to a power of two (a static argument: one program per value); a fixed value is
+    checked and kept; no linear layers or no CP: nothing to size."""
+    cfg, dims = hybrid.get_config("hybrid-tiny"), jax_cp.MeshDims(dp=1, c=2, u=2, t=2)
+    assert cfg.linear_max_pieces is None
+    assert [train.linear_pieces(cfg, (need, 1), 64, dims) for need in (0, 1, 2, 3, 5, 8, 9)] == [1, 1, 2, 4, 8, 8, 16]
+    assert train.linear_pieces(cfg, (2, 3), 64, dims) == 4  # the convolution halo's count too
+    assert train.linear_pieces(cfg, None, 64, dims) is None
+    assert train.linear_pieces(hybrid.get_config("tiny"), (9, 9), 64, dims) is None
+    fixed = dataclasses.replace(cfg, linear_max_pieces=4)
+    assert train.linear_pieces(fixed, (3, 4), 64, dims) is None  # the model's own 4
+    with pytest.raises(ValueError, match=r"linear_max_pieces=4 gives 4 state slots .* needs 5"):
+        train.linear_pieces(fixed, (5, 1), 64, dims)
+    # --linear-pieces fixes them for a hybrid model, and is refused for a model without linear layers
+    run = dict(model="hybrid-tiny", cp_colossal=2, cp_ulysses=2, tp=2)
+    assert train.model_config(train.TrainConfig(**run, linear_pieces=8)).linear_max_pieces == 8
+    with pytest.raises(ValueError, match=r"--linear-pieces=8 sizes the linear layers of a hybrid model; "
+                                         r"--model tiny has none: drop it"):
+        train.model_config(train.TrainConfig(**{**run, "model": "tiny"}, linear_pieces=8))
+    with pytest.raises(ValueError, match=r"--linear-pieces=0 must be a positive integer"):
+        train.TrainConfig(**run, linear_pieces=0)
