@@ -166,7 +166,7 @@ def compile_jax_cp(a, layers: int, out: str) -> None:
                                               num_heads=base.num_heads * base.head_dim // a.head_dim)
     cfg = train.TrainConfig(model=name, seq_len=a.seq_len, batch=a.batch, cp_colossal=a.cp_colossal,
                             cp_ulysses=a.cp_ulysses, tp=a.tp, remat=True, fsdp=a.jax_cp_fsdp,
-                            kv_exchange=a.jax_cp_kv_exchange,
+                            kv_exchange=a.jax_cp_kv_exchange, scan_layers=a.jax_cp_scan_layers,
                             fsdp_axes="dp,cp_colossal,cp_ulysses" if a.jax_cp_fsdp else "dp", plan=a.topology,
                             progress=False)
     dump = os.path.join(out, "dump")
@@ -364,6 +364,8 @@ def main(argv=None) -> None:
                    help="jax_cp stores weights and optimizer state sharded over dp and the CP axes, as MaxText does")
     p.add_argument("--jax-cp-kv-exchange", default="auto", help="jax_cp's K/V exchange (auto, all_gather, "
                    "all_to_all, ring)")
+    p.add_argument("--jax-cp-scan-layers", action="store_true", help="jax_cp runs its blocks as one lax.scan "
+                   "(models.train --scan-layers), as MaxText scans its layers")
     p.add_argument("--maxtext-cp-strategy", default="all_gather", choices=("all_gather", "ring"))
     p.add_argument("--maxtext-remat", default="full")
     p.add_argument("--maxtext-extra", nargs="*", default=[], help="more MaxText key=value overrides")
@@ -383,8 +385,8 @@ def main(argv=None) -> None:
     chip = plan.chip_for(a.topology)
     tag = f"{a.topology.replace(':', '_')}-S{a.seq_len}-B{a.batch}-d{a.head_dim}"
     sides = {
-        "jax_cp" + ("-fsdp" if a.jax_cp_fsdp else "") + ("" if a.jax_cp_kv_exchange == "auto" else
-                                                          f"-{a.jax_cp_kv_exchange}"): ("jax_cp", ("cp_colossal", "cp_ulysses")),
+        "jax_cp" + ("-fsdp" if a.jax_cp_fsdp else "") + ("-scan" if a.jax_cp_scan_layers else "")
+        + ("" if a.jax_cp_kv_exchange == "auto" else f"-{a.jax_cp_kv_exchange}"): ("jax_cp", ("cp_colossal", "cp_ulysses")),
         f"maxtext-{a.maxtext_cp_strategy}-{a.maxtext_remat}": ("maxtext", ("context",)),
     }
     results = {}

@@ -343,8 +343,10 @@ class Llama(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, *, mesh, dtype=jnp.bfloat16, fsdp: bool = False,
                  fsdp_axes: tuple[str, ...] = (DP,), remat: bool = False, kernel: str = "auto", kv_exchange="auto",
-                 overlap_chunks: int | str = "auto", fused_qkv_chunks: int | str = "auto", rngs: nnx.Rngs):
+                 overlap_chunks: int | str = "auto", fused_qkv_chunks: int | str = "auto", scan_layers: bool = False,
+                 rngs: nnx.Rngs):
         self.cfg, self.mesh, self.dtype, self.remat = cfg, mesh, jnp.dtype(dtype), remat
+        self.scan_layers = scan_layers
         self.sharding = sharding = model_sharding(mesh, cfg.d_model, fsdp=fsdp, fsdp_axes=fsdp_axes)
         V, D = cfg.vocab_size, cfg.d_model
         embed = nnx.initializers.normal(0.02)(rngs.params(), (V, D), jnp.float32)
@@ -426,11 +428,48 @@ class Llama(nnx.Module):
         def apply(block, x, pos, seg, span):
             return jax_cp.place(block(x, pos, seg, infer, sh, span), m, sh.residual_BSD)
 
+        if self.scan_layers and infer is None:
+            x_BSD = self._scanned(x_BSD, positions, segment_ids, span_ids, sh)
+            return self.final_norm(x_BSD).astype(self.dtype)
         if self.remat and infer is None:
             apply = nnx.remat(apply)
         for block in self.blocks:
             x_BSD = apply(block, x_BSD, positions, segment_ids, span_ids)
         return self.final_norm(x_BSD).astype(self.dtype)
+
+    def _scanned(self, x_BSD, positions, segment_ids, span_ids, sh):
+        """The blocks of a training step as one ``lax.scan`` over groups of ``period`` blocks (``layer_period``:
+        1 for Llama, the attention interval for a hybrid, 6 for Gemma 3's 5:1): each group position's
+        parameters stacked along a new leading axis for the step (the parameter tree keeps one entry per
+        layer), so the compiler schedules one group's buffers and collectives, and compiles one body."""
+        m, blocks = self.mesh, list(self.blocks)
+        splits = [nnx.split(block) for block in blocks]
+        period = layer_period([graph for graph, _ in splits])
+        stacked = [jax.tree.map(lambda *xs: jnp.stack(xs), *[state for _, state in splits[j::period]])
+                   for j in range(period)]
+
+        def one(j, state, x):
+            block = nnx.merge(splits[j][0], state)
+            return jax_cp.place(block(x, positions, segment_ids, None, sh, span_ids), m, sh.residual_BSD)
+
+        steps = [functools.partial(one, j) for j in range(period)]
+        if self.remat:
+            steps = [jax.checkpoint(step) for step in steps]
+
+        def body(x, group):
+            for step, state in zip(steps, group):
+                x = step(state, x)
+            return x, None
+
+        x_BSD, _ = jax.lax.scan(body, x_BSD, stacked)
+        return x_BSD
+
+
+def layer_period(graphs: list) -> int:
+    """The shortest ``p`` dividing the layer count with every layer built as layer ``i % p`` (same graph:
+    structure and static attributes, e.g. a sliding window), so ``p`` stacked blocks scan as one."""
+    n = len(graphs)
+    return next(p for p in range(1, n + 1) if n % p == 0 and all(graphs[i] == graphs[i % p] for i in range(n)))
 
 
 def next_token_loss(model: Llama, batch: dict) -> tuple[jax.Array, jax.Array]:

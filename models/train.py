@@ -94,6 +94,7 @@ class TrainConfig:
     use_sinks: bool = False  # every attention layer: a learned sink logit per query head
     prefix_lm: float | None = None  # a prefix-LM objective: this share of each document is a bidirectional prompt
     remat: bool = False
+    scan_layers: bool = False  # the blocks as one lax.scan over stacked parameters (models.llama.Llama)
     data: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 100
@@ -241,6 +242,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="load-balance order: a dispatch plan per batch (equal attention work per CP rank on packed "
                         "rows) or the fixed dual-chunk order (balanced for one document per row)")
     g.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
+    g.add_argument("--scan-layers", action="store_true",
+                   help="run the blocks as one lax.scan (their parameters stacked for the step; the checkpoint "
+                        "layout is unchanged): one block's buffers in the schedule, one block compiled")
     g.add_argument("--linear-pieces", type=int, default=d.linear_pieces,
                    help="hybrid models: state slots per CP rank of every linear layer, fixed (default: each batch's "
                         "need, counted on the host and rounded up to a power of two: one program per value; "
@@ -552,7 +556,7 @@ def fsdp_choice(cfg: TrainConfig, dims: jax_cp.MeshDims) -> tuple[bool, str]:
 def _model_kwargs(cfg: TrainConfig, mesh) -> dict:
     fsdp, _ = fsdp_choice(cfg, jax_cp.mesh_dims(mesh))
     return dict(dtype=jnp.dtype(cfg.dtype), fsdp=fsdp, fsdp_axes=cfg.fsdp_axes_tuple, remat=cfg.remat,
-                kernel=cfg.kernel,
+                scan_layers=cfg.scan_layers, kernel=cfg.kernel,
                 kv_exchange=cfg.kv_exchange, overlap_chunks=cfg.overlap_chunks,
                 fused_qkv_chunks=cfg.fused_qkv_chunks)
 
