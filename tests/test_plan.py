@@ -261,6 +261,114 @@ def test_parser_counts_loop_transfers_per_trip():
     assert loop_bytes(HLO_LOOP) == 4 * (512 + (256 + 512 + 256) + 12)
 
 
+# A scan's body as the TPU compiler writes it (libtpu, jax 0.10: a step's row written into the carried
+# f32[1024,128] output buffer, the input row read out of the stacked inputs), eight trips: a plain
+# dynamic-update-slice, a fusion rooted in one (through a bitcast, beside a second output in a tuple) that
+# reads its input row with a dynamic-slice, an elementwise fusion, and two updates not in place.
+HLO_SCAN = """HloModule jit_scan, is_scheduled=true
+
+%fused_add (p0: f32[4,128], p1: f32[4,128]) -> f32[4,128] {
+  %p0 = f32[4,128]{1,0} parameter(0)
+  %p1 = f32[4,128]{1,0} parameter(1)
+  ROOT %add.1 = f32[4,128]{1,0} add(%p0, %p1)
+}
+
+%fused_step (param_0: f32[1024,128], param_1: s32[], param_2: f32[1024,128], param_3: f32[4,128]) -> (f32[1024,128], f32[4,128]) {
+  %param_0 = f32[1024,128]{1,0} parameter(0)
+  %param_2 = f32[1024,128]{1,0} parameter(2)
+  %param_1 = s32[] parameter(1)
+  %zero.1 = s32[] constant(0)
+  %dynamic-slice.1 = f32[4,128]{1,0} dynamic-slice(%param_2, %param_1, %zero.1), dynamic_slice_sizes={4,128}
+  %param_3 = f32[4,128]{1,0} parameter(3)
+  %add.2 = f32[4,128]{1,0} add(%dynamic-slice.1, %param_3)
+  %tanh.1 = f32[4,128]{1,0} tanh(%add.2)
+  %bitcast.1 = f32[1,4,128]{2,1,0} bitcast(%tanh.1)
+  %bitcast.2 = f32[1,4,128]{2,1,0} bitcast(%param_0)
+  %dynamic-update-slice.1 = f32[1,1024,128]{2,1,0} dynamic-update-slice(%bitcast.2, %bitcast.1, %zero.1, %param_1, %zero.1)
+  %bitcast.3 = f32[1024,128]{1,0} bitcast(%dynamic-update-slice.1)
+  ROOT %tuple.1 = (f32[1024,128]{1,0}, f32[4,128]{1,0}) tuple(%bitcast.3, %tanh.1)
+}
+
+%fused_fresh (param_0.1: f32[4,128], param_1.1: s32[]) -> f32[1024,128] {
+  %param_0.1 = f32[4,128]{1,0} parameter(0)
+  %param_1.1 = s32[] parameter(1)
+  %zero.2 = s32[] constant(0)
+  %zeros = f32[] constant(0)
+  %broadcast.1 = f32[1024,128]{1,0} broadcast(%zeros), dimensions={}
+  ROOT %dynamic-update-slice.2 = f32[1024,128]{1,0} dynamic-update-slice(%broadcast.1, %param_0.1, %param_1.1, %zero.2)
+}
+
+%fused_scaled (param_0.2: f32[1024,128], param_1.2: f32[4,128], param_2.2: s32[]) -> f32[1024,128] {
+  %param_0.2 = f32[1024,128]{1,0} parameter(0)
+  %param_1.2 = f32[4,128]{1,0} parameter(1)
+  %param_2.2 = s32[] parameter(2)
+  %zero.3 = s32[] constant(0)
+  %dynamic-update-slice.3 = f32[1024,128]{1,0} dynamic-update-slice(%param_0.2, %param_1.2, %param_2.2, %zero.3)
+  ROOT %negate.1 = f32[1024,128]{1,0} negate(%dynamic-update-slice.3)
+}
+
+%cond (c: (s32[], f32[1024,128], f32[1024,128], f32[4,128], f32[1024,128])) -> pred[] {
+  %c = (s32[], f32[1024,128]{1,0}, f32[1024,128]{1,0}, f32[4,128]{1,0}, f32[1024,128]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%c), index=0
+  %eight = s32[] constant(8)
+  ROOT %lt = pred[] compare(%i.1, %eight), direction=LT
+}
+
+%body (b: (s32[], f32[1024,128], f32[1024,128], f32[4,128], f32[1024,128])) -> (s32[], f32[1024,128], f32[1024,128], f32[4,128], f32[1024,128]) {
+  %b = (s32[], f32[1024,128]{1,0}, f32[1024,128]{1,0}, f32[4,128]{1,0}, f32[1024,128]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %ys = f32[1024,128]{1,0} get-tuple-element(%b), index=1
+  %xs = f32[1024,128]{1,0} get-tuple-element(%b), index=2
+  %h = f32[4,128]{1,0} get-tuple-element(%b), index=3
+  %zs = f32[1024,128]{1,0} get-tuple-element(%b), index=4
+  %zero = s32[] constant(0)
+  %plain = f32[1024,128]{1,0} dynamic-update-slice(%zs, %h, %i, %zero)
+  %step = (f32[1024,128]{1,0}, f32[4,128]{1,0}) fusion(%ys, %i, %xs, %h), kind=kLoop, calls=%fused_step
+  %ys.1 = f32[1024,128]{1,0} get-tuple-element(%step), index=0
+  %h.1 = f32[4,128]{1,0} get-tuple-element(%step), index=1
+  %sum = f32[4,128]{1,0} fusion(%h.1, %h), kind=kLoop, calls=%fused_add
+  %fresh = f32[1024,128]{1,0} fusion(%sum, %i), kind=kLoop, calls=%fused_fresh
+  %scaled = f32[1024,128]{1,0} fusion(%fresh, %sum, %i), kind=kLoop, calls=%fused_scaled
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[1024,128]{1,0}, f32[1024,128]{1,0}, f32[4,128]{1,0}, f32[1024,128]{1,0}) tuple(%next, %ys.1, %xs, %sum, %plain)
+}
+
+ENTRY %main (xs.0: f32[1024,128]) -> f32[1024,128] {
+  %xs.0 = f32[1024,128]{1,0} parameter(0)
+  %zero.0 = s32[] constant(0)
+  %z = f32[] constant(0)
+  %ys.0 = f32[1024,128]{1,0} broadcast(%z), dimensions={}
+  %h.0 = f32[4,128]{1,0} broadcast(%z), dimensions={}
+  %init = (s32[], f32[1024,128]{1,0}, f32[1024,128]{1,0}, f32[4,128]{1,0}, f32[1024,128]{1,0}) tuple(%zero.0, %ys.0, %xs.0, %h.0, %ys.0)
+  %while = (s32[], f32[1024,128]{1,0}, f32[1024,128]{1,0}, f32[4,128]{1,0}, f32[1024,128]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[1024,128]{1,0} get-tuple-element(%while), index=1
+}
+"""
+
+
+def test_loop_bytes_count_in_place_updates_and_slices_by_what_they_touch():
+    """A dynamic-update-slice writes its update into its buffer in place (a scan's output, per trip): it
+    reads and writes the update's bytes, not the buffer's; a slice reads its result's bytes of its operand.
+    An update into a buffer the fusion makes itself (a broadcast), or one read whole after it, is not."""
+    from jax_cp.plan._hlo import _Module, instr_bytes, loop_bytes
+
+    mod = _Module(HLO_SCAN)
+    got = {i.name: instr_bytes(mod, "body", i) for i in mod.comps["body"]}
+    row, buffer = 4 * 128 * 4, 1024 * 128 * 4  # the f32[4,128] update, the f32[1024,128] buffer
+    # Plain: reads and writes the update, reads its two s32 indices; the buffer is untouched.
+    assert got["plain"] == 2 * row + 2 * 4
+    # Fusion rooted (through bitcasts, in a tuple) in the update of its parameter 0: its index, its input row
+    # (a dynamic-slice of xs) and h read; the row written into ys and its second output h.1 written.
+    assert got["step"] == (4 + row + row) + (row + row)
+    # Elementwise: both operands read and its result written, as before.
+    assert got["sum"] == 3 * row
+    # An update into a broadcast is the whole buffer written; one negated after is the buffer read and written.
+    assert got["fresh"] == row + 4 + buffer
+    assert got["scaled"] == buffer + row + 4 + buffer
+    assert loop_bytes(HLO_SCAN) == 7 * sum(got.values())  # seven trips more than the one counted
+
+
 # Splash kernel calls as libtpu 0.0.52 schedules them: named after the kernel, or, vmapped over a device's
 # batch rows (a loop over them), ``closed_call`` with the kernel in its op_name and metadata over lines.
 HLO_KERNELS = """HloModule jit_train_step, is_scheduled=true

@@ -651,13 +651,97 @@ def instr_bytes(mod, comp: str, i: Instr) -> int:
     """HBM bytes one scheduled instruction reads and writes: its operands and results, once each
     (as the compiler's cost analysis counts a fusion, or a custom call without a cost estimate).
     The start of an async pair (a copy, a collective) returns a tuple holding its operand beside
-    its destination: that tuple is what it reads and writes."""
+    its destination: that tuple is what it reads and writes.
+
+    Slices and updates in place count what they touch, as the compiler's cost analysis does: a
+    (dynamic-)slice reads its result's bytes of its operand, not the whole operand; a
+    dynamic-update-slice writes into its operand 0's buffer (copy insertion made the two one
+    buffer), so it reads and writes its update, not the buffer. In a fusion: a parameter only sliced
+    reads its slices; the parameter an in-place dynamic-update-slice writes into (the update's
+    operand 0, the fusion's result or a tuple element of it, through bitcasts) is read not at all,
+    and that result is written as the update's bytes (a scan's carried output buffer, per trip)."""
     if i.opcode in _NO_TRAFFIC:
         return 0
     if i.opcode.endswith("-start") or i.opcode == "async-start":
         return array_bytes(i.shape)
     table = mod.by_name[comp]
-    return sum(array_bytes(_operand_shape(table, r)) for r in i.refs) + array_bytes(i.shape)
+    sizes = [array_bytes(_operand_shape(table, r)) for r in i.refs]
+    if i.opcode in ("slice", "dynamic-slice") and sizes:
+        return 2 * array_bytes(i.shape) + sum(sizes[1:])
+    if i.opcode == "dynamic-update-slice" and len(sizes) >= 2:
+        return 2 * sizes[1] + sum(sizes[2:])
+    if i.opcode == "fusion" and i.called and i.called[0] in mod.comps:
+        return _fusion_bytes(mod, i.called[0], sizes, i.shape)
+    return sum(sizes) + array_bytes(i.shape)
+
+
+def _fusion_bytes(mod, comp: str, sizes: list[int], shape: str) -> int:
+    """A fusion's HBM bytes (``instr_bytes``): each operand's reads (``sizes``: their whole bytes),
+    its results' writes, both less what in-place updates and slices leave untouched."""
+    instrs, table = mod.comps[comp], mod.by_name[comp]
+    users: dict[str, list[Instr]] = {}
+    for u in instrs:
+        for o in dict.fromkeys(u.operands):
+            users.setdefault(o, []).append(u)
+    root = next((r for r in instrs if r.root), instrs[-1] if instrs else None)
+    if root is None:
+        return sum(sizes) + array_bytes(shape)
+    users.setdefault(root.name, []).append(root)  # the result: read whole when it is a parameter (bitcast)
+    is_tuple = root.opcode == "tuple"
+    outputs = [table.get(o) for o in root.operands] if is_tuple else [root]
+    in_place, written = set(), 0
+    for k, out in enumerate(outputs):
+        full = array_bytes(tuple_element(shape, k) if is_tuple else shape)
+        dus = _through_bitcasts(table, out)
+        if dus is not None and dus.opcode == "dynamic-update-slice" and len(dus.operands) >= 2:
+            buffer = _through_bitcasts(table, table.get(dus.operands[0]))
+            if buffer is not None and buffer.opcode == "parameter":  # aliased with the result: written in place
+                in_place.add(dus.name)
+                written += min(array_bytes(_operand_shape(table, dus.refs[1])) if len(dus.refs) >= 2 else full, full)
+                continue
+        written += full
+    read = 0
+    for p in instrs:
+        if p.opcode != "parameter":
+            continue
+        try:
+            k = int(p.operands[0])
+        except (IndexError, ValueError):
+            continue
+        if k < len(sizes):
+            read += _param_read(mod, comp, p.name, sizes[k], users, in_place)
+    return read + written
+
+
+def _through_bitcasts(table: dict[str, Instr], i: Instr | None) -> Instr | None:
+    """The instruction a chain of bitcasts starts from."""
+    for _ in range(16):
+        if i is None or i.opcode != "bitcast" or not i.operands:
+            return i
+        i = table.get(i.operands[0])
+    return i
+
+
+def _param_read(mod, comp: str, name: str, full: int, users: dict[str, list[Instr]], in_place: set[str],
+                depth: int = 0) -> int:
+    """HBM bytes a fusion reads of its value ``name`` (a parameter, or a bitcast of one) whose bytes are
+    ``full``: the results of the slices that take it as operand 0, nothing as the buffer an in-place
+    update writes into (``in_place``), its whole bytes once for any other use."""
+    partial = 0
+    for u in users.get(name, ()):
+        if u.opcode == "bitcast":
+            part = _param_read(mod, comp, u.name, full, users, in_place, depth + 1) if depth < 16 else full
+        elif u.opcode in ("slice", "dynamic-slice") and u.operands[0] == name and name not in u.operands[1:]:
+            part = array_bytes(u.shape)
+        elif u.opcode == "dynamic-update-slice" and u.name in in_place and u.operands[0] == name \
+                and name not in u.operands[1:]:
+            part = 0
+        else:
+            return full
+        if part >= full:
+            return full
+        partial += part
+    return min(partial, full)
 
 
 def loop_bytes(text_or_module) -> float:

@@ -64,7 +64,8 @@ class Instr:
     """One HLO instruction: result shape, opcode, operand names, raw attribute text.
 
     ``operands`` are the producing instructions' names; ``refs`` the operands as
-    written, ``name#k`` for element ``k`` of a tuple-valued producer.
+    written, ``name#k`` for element ``k`` of a tuple-valued producer; ``root``: whether
+    it is its computation's ROOT.
     """
 
     name: str
@@ -73,6 +74,7 @@ class Instr:
     operands: tuple[str, ...]
     attrs: str
     refs: tuple[str, ...] = ()
+    root: bool = False  # the computation's ROOT
 
     @property
     def called(self) -> tuple[str, ...]:
@@ -94,7 +96,8 @@ class Instr:
 
 def _parse_instr(line: str) -> Instr | None:
     line = _COMMENT.sub("", line).strip()
-    if line.startswith("ROOT "):
+    root = line.startswith("ROOT ")
+    if root:
         line = line[5:]
     if not line.startswith("%") or " = " not in line:
         return None
@@ -115,7 +118,7 @@ def _parse_instr(line: str) -> Instr | None:
         tok.split()[-1].lstrip("%") for tok in _split_top(rest[open_paren + 1 : close - 1]) if tok.strip()
     )
     operands = tuple(r.split("#", 1)[0] for r in refs)
-    return Instr(name=name, shape=shape, opcode=m.group(1), operands=operands, attrs=rest[close:], refs=refs)
+    return Instr(name=name, shape=shape, opcode=m.group(1), operands=operands, attrs=rest[close:], refs=refs, root=root)
 
 
 def _split_top(text: str) -> list[str]:
