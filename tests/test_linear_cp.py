@@ -191,7 +191,8 @@ def test_the_slots_counted_on_the_host_are_the_ones_the_mesh_needs():
 @needs_devices(8)
 def test_the_default_slots_follow_the_order_known_on_the_host():
     """Without max_pieces: one slot per rank for the natural order (default metadata), even under a
-    caller's jit; traced metadata keep min(S/c, 16); the precision of the state products is HIGHEST."""
+    caller's jit, as for NumPy metadata closed over there (two for the dual-chunk order); traced
+    metadata keep min(S/c, 16); the precision of the state products is HIGHEST."""
     mesh = _mesh(4, 1, 1, dp=2)
     q, k, v, g, beta, _ = gdn_args(2, 64, 2, 4, 4)
 
@@ -204,6 +205,8 @@ def test_the_default_slots_follow_the_order_known_on_the_host():
     assert natural == {1}, natural
     assert "HIGHEST" in text  # the state products (jax_cp.linear._chains._apply)
     assert slots(max_pieces=3)[0] == {3}
+    assert slots(positions=np.arange(64))[0] == {1}
+    assert slots(positions=np.asarray(jax_cp.load_balance.positions(64, mesh)))[0] == {2}
     traced = jax.jit(lambda pos, *a: linear.gated_delta_rule(*a, mesh=mesh, chunk_size=8, positions=pos)).lower(
         jnp.arange(64, dtype=jnp.int32), q, k, v, g, beta).as_text()
     assert {int(m) for m in re.findall(r"all_to_all.*?tensor<1x(\d+)x4x1x2x32xf32>", traced)} == {16}

@@ -89,8 +89,8 @@ def placed_meta(positions, segment_ids, batch: int, seq_len: int, mesh, lay: Lay
     needs are counted on the host: ``sized`` (``max_pieces=None``) sets ``lay.pieces`` to the next power
     of two at or above that count (few distinct programs, no slot that never carries a state); a given
     ``max_pieces`` below it is a ValueError. Traced metadata keep ``lay.pieces`` (too few: NaN rows)."""
-    pos = check_metadata("positions", positions, batch, seq_len)
-    seg = check_metadata("segment_ids", segment_ids, batch, seq_len)
+    pos = _on_host(positions, check_metadata("positions", positions, batch, seq_len), batch, seq_len)
+    seg = _on_host(segment_ids, check_metadata("segment_ids", segment_ids, batch, seq_len), batch, seq_len)
     # the defaults as NumPy arrays: known on the host even while a caller's jit traces this
     pos = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)) if pos is None else pos
     seg = np.zeros((batch, seq_len), np.int32) if seg is None else seg
@@ -106,6 +106,16 @@ def placed_meta(positions, segment_ids, batch: int, seq_len: int, mesh, lay: Lay
     meta = tuple(jnp.asarray(a) for a in (pos, seg))
     meta = meta if mesh is None else tuple(place(a, mesh, META) for a in meta)
     return (*meta, lay)
+
+
+def _on_host(given, checked, batch: int, seq_len: int):
+    """``checked`` as ``[B, S]`` int32 NumPy where the caller's value is concrete (NumPy, or a jax Array
+    that is not traced): ``check_metadata``'s jnp ops would turn even a closed-over NumPy array into a
+    tracer under a caller's jit, and the slots could no longer be counted on the host."""
+    if given is None or isinstance(given, jax.core.Tracer) or (
+            isinstance(given, jax.Array) and not given.is_fully_addressable):
+        return checked
+    return np.broadcast_to(np.asarray(given).astype(np.int32), (batch, seq_len))
 
 
 def needed_pieces(pos_BS: np.ndarray, seg_BS: np.ndarray, c: int) -> int:
