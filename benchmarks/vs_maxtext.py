@@ -68,7 +68,9 @@ def maxtext_overrides(a, layers: int) -> list[str]:
         f"ici_context_parallelism={a.cp}", f"ici_tensor_parallelism={a.tp}", "ici_fsdp_parallelism=-1",
         f"context_parallel_strategy={a.maxtext_cp_strategy}", "context_parallel_load_balance=true",
         f"remat_policy={a.maxtext_remat}", "attention=flash", "dataset_type=synthetic",
-        "enable_checkpointing=false", *a.maxtext_extra,
+        "enable_checkpointing=false",
+        *(["use_tokamax_splash=true"] if a.maxtext_cp_strategy == "ring" else []),  # its ring requires it
+        *a.maxtext_extra,
     ]
 
 
@@ -165,9 +167,9 @@ def compile_jax_cp(a, layers: int, out: str) -> None:
     llama.CONFIGS[name] = dataclasses.replace(base, num_layers=layers, head_dim=a.head_dim,
                                               num_heads=base.num_heads * base.head_dim // a.head_dim)
     cfg = train.TrainConfig(model=name, seq_len=a.seq_len, batch=a.batch, cp_colossal=a.cp_colossal,
-                            cp_ulysses=a.cp_ulysses, tp=a.tp, remat=True, fsdp=a.jax_cp_fsdp,
-                            kv_exchange=a.jax_cp_kv_exchange, scan_layers=a.jax_cp_scan_layers,
-                            fsdp_axes="dp,cp_colossal,cp_ulysses" if a.jax_cp_fsdp else "dp", plan=a.topology,
+                            cp_ulysses=a.cp_ulysses, tp=a.tp, remat=True, fsdp=True if a.jax_cp_fsdp else "auto",
+                            kv_exchange=a.jax_cp_kv_exchange, scan_layers=not a.jax_cp_unrolled,
+                            fsdp_axes="dp,cp_colossal,cp_ulysses", plan=a.topology,
                             progress=False)
     dump = os.path.join(out, "dump")
 
@@ -361,11 +363,12 @@ def main(argv=None) -> None:
     p.add_argument("--cp-ulysses", type=int, default=4)
     p.add_argument("--tp", type=int, default=4)
     p.add_argument("--jax-cp-fsdp", action="store_true",
-                   help="jax_cp stores weights and optimizer state sharded over dp and the CP axes, as MaxText does")
+                   help="jax_cp stores weights and optimizer state sharded over dp and the CP axes, as MaxText does "
+                        "(--fsdp; default: the trainer's --fsdp auto, which does so for the 8B)")
     p.add_argument("--jax-cp-kv-exchange", default="auto", help="jax_cp's K/V exchange (auto, all_gather, "
                    "all_to_all, ring)")
-    p.add_argument("--jax-cp-scan-layers", action="store_true", help="jax_cp runs its blocks as one lax.scan "
-                   "(models.train --scan-layers), as MaxText scans its layers")
+    p.add_argument("--jax-cp-unrolled", action="store_true", help="jax_cp unrolls its blocks "
+                   "(models.train --no-scan-layers; default: one lax.scan, as MaxText scans its layers)")
     p.add_argument("--maxtext-cp-strategy", default="all_gather", choices=("all_gather", "ring"))
     p.add_argument("--maxtext-remat", default="full")
     p.add_argument("--maxtext-extra", nargs="*", default=[], help="more MaxText key=value overrides")
@@ -385,7 +388,7 @@ def main(argv=None) -> None:
     chip = plan.chip_for(a.topology)
     tag = f"{a.topology.replace(':', '_')}-S{a.seq_len}-B{a.batch}-d{a.head_dim}"
     sides = {
-        "jax_cp" + ("-fsdp" if a.jax_cp_fsdp else "") + ("-scan" if a.jax_cp_scan_layers else "")
+        "jax_cp" + ("-fsdp" if a.jax_cp_fsdp else "") + ("-unrolled" if a.jax_cp_unrolled else "-scan")
         + ("" if a.jax_cp_kv_exchange == "auto" else f"-{a.jax_cp_kv_exchange}"): ("jax_cp", ("cp_colossal", "cp_ulysses")),
         f"maxtext-{a.maxtext_cp_strategy}-{a.maxtext_remat}": ("maxtext", ("context",)),
     }

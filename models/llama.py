@@ -439,13 +439,15 @@ class Llama(nnx.Module):
 
     def _scanned(self, x_BSD, positions, segment_ids, span_ids, sh):
         """The blocks of a training step as one ``lax.scan`` over groups of ``period`` blocks (``layer_period``:
-        1 for Llama, the attention interval for a hybrid, 6 for Gemma 3's 5:1): each group position's
-        parameters stacked along a new leading axis for the step (the parameter tree keeps one entry per
-        layer), so the compiler schedules one group's buffers and collectives, and compiles one body."""
+        1 for Llama, the attention interval for a hybrid, 6 for Gemma 3's 5:1; layers after the last whole
+        group run after it): each group position's parameters stacked along a new leading axis for the step
+        (the parameter tree keeps one entry per layer), so the compiler schedules one group's buffers and
+        collectives, and compiles one body."""
         m, blocks = self.mesh, list(self.blocks)
         splits = [nnx.split(block) for block in blocks]
         period = layer_period([graph for graph, _ in splits])
-        stacked = [jax.tree.map(lambda *xs: jnp.stack(xs), *[state for _, state in splits[j::period]])
+        groups = len(blocks) // period  # the layers after the last whole group run one by one after the scan
+        stacked = [jax.tree.map(lambda *xs: jnp.stack(xs), *[state for _, state in splits[j:groups * period:period]])
                    for j in range(period)]
 
         def one(j, state, x):
@@ -462,14 +464,17 @@ class Llama(nnx.Module):
             return x, None
 
         x_BSD, _ = jax.lax.scan(body, x_BSD, stacked)
+        for i in range(groups * period, len(blocks)):
+            x_BSD = steps[i % period](splits[i][1], x_BSD)
         return x_BSD
 
 
 def layer_period(graphs: list) -> int:
-    """The shortest ``p`` dividing the layer count with every layer built as layer ``i % p`` (same graph:
-    structure and static attributes, e.g. a sliding window), so ``p`` stacked blocks scan as one."""
+    """The shortest ``p`` with every layer built as layer ``i % p`` (same graph: structure and static
+    attributes, e.g. a sliding window), so groups of ``p`` stacked blocks scan as one (Gemma 3 1B: 26
+    layers of period 6, four groups and two layers after them)."""
     n = len(graphs)
-    return next(p for p in range(1, n + 1) if n % p == 0 and all(graphs[i] == graphs[i % p] for i in range(n)))
+    return next(p for p in range(1, n + 1) if all(graphs[i] == graphs[i % p] for i in range(n)))
 
 
 def next_token_loss(model: Llama, batch: dict) -> tuple[jax.Array, jax.Array]:

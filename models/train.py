@@ -94,7 +94,7 @@ class TrainConfig:
     use_sinks: bool = False  # every attention layer: a learned sink logit per query head
     prefix_lm: float | None = None  # a prefix-LM objective: this share of each document is a bidirectional prompt
     remat: bool = False
-    scan_layers: bool = False  # the blocks as one lax.scan over stacked parameters (models.llama.Llama)
+    scan_layers: bool = True  # the blocks as one lax.scan over stacked parameters (models.llama.Llama)
     data: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 100
@@ -242,9 +242,11 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="load-balance order: a dispatch plan per batch (equal attention work per CP rank on packed "
                         "rows) or the fixed dual-chunk order (balanced for one document per row)")
     g.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
-    g.add_argument("--scan-layers", action="store_true",
-                   help="run the blocks as one lax.scan (their parameters stacked for the step; the checkpoint "
-                        "layout is unchanged): one block's buffers in the schedule, one block compiled")
+    g.add_argument("--scan-layers", dest="scan_layers", action="store_true", default=d.scan_layers,
+                   help="run the blocks as one lax.scan (the default; their parameters stacked for the step, the "
+                        "checkpoint layout unchanged): one block's buffers in the schedule, one block compiled")
+    g.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
+                   help="unroll the blocks: one program with every layer's own buffers and collectives")
     g.add_argument("--linear-pieces", type=int, default=d.linear_pieces,
                    help="hybrid models: state slots per CP rank of every linear layer, fixed (default: each batch's "
                         "need, counted on the host and rounded up to a power of two: one program per value; "

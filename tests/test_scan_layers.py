@@ -1,6 +1,6 @@
 """``--scan-layers``: a model's blocks as one ``lax.scan`` over their stacked parameters (``Llama._scanned``)
 give the loop's loss and gradients, with FSDP storage and remat, on Auto and Explicit meshes, for Llama
-and the hybrid model (a scan over groups of a DeltaNet and an attention layer)."""
+and the hybrid model (a scan over groups of a DeltaNet and an attention layer, and the layer left over)."""
 import dataclasses
 
 import jax
@@ -18,7 +18,7 @@ from util import TOL
 
 def _loss_and_grads(name, layers, mesh, scan_layers, remat):
     cfg = dataclasses.replace(hybrid.get_config(name), num_layers=layers)
-    if isinstance(cfg, hybrid.HybridConfig):  # DeltaNet, attention, DeltaNet, attention: two groups of two
+    if isinstance(cfg, hybrid.HybridConfig):  # DeltaNet, attention, ...: two groups of two, then a DeltaNet
         cfg = dataclasses.replace(cfg, full_attention_interval=2)
     B, S = 2, 64
     rng = np.random.default_rng(0)
@@ -42,7 +42,7 @@ def _loss_and_grads(name, layers, mesh, scan_layers, remat):
 
 @needs_devices(8)
 @pytest.mark.parametrize("name,layers,axis_types,remat", [("tiny", 2, AxisType.Auto, True),
-                                                          ("hybrid-tiny", 4, AxisType.Explicit, False)])
+                                                          ("hybrid-tiny", 5, AxisType.Explicit, False)])
 def test_scanned_blocks_equal_the_loop(name, layers, axis_types, remat):
     mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2, axis_types=axis_types)
     (loss, grads), looped = _loss_and_grads(name, layers, mesh, False, remat)
@@ -52,8 +52,8 @@ def test_scanned_blocks_equal_the_loop(name, layers, axis_types, remat):
     for a, b in zip(jax.tree.leaves(grads_s), jax.tree.leaves(grads), strict=True):
         assert a.shape == b.shape  # the gradient tree keeps one entry per layer
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
-    # two groups of blocks (tiny: 2 of one block; the hybrid: 2 of a DeltaNet and an attention): the scan's
-    # program holds one group's layers, and so fewer CP all-to-alls than the loop's (tiny: half)
+    # groups of blocks (tiny: 2 of one block; the hybrid: 2 of a DeltaNet and an attention, and a DeltaNet
+    # after them): the scan's program holds one group's layers, so fewer CP all-to-alls than the loop's
     assert 0 < scanned.count("all_to_all") < looped.count("all_to_all")
 
 
@@ -61,4 +61,25 @@ def test_layer_period_is_the_shortest_repeating_pattern():
     a, b = "attention", "sliding"
     assert llama.layer_period([a, a, a, a]) == 1
     assert llama.layer_period([b, b, a, b, b, a]) == 3  # Gemma 3's 5:1 is the same with 6
-    assert llama.layer_period([b, a, b, b]) == 4  # no shorter pattern divides the layers: one group
+    assert llama.layer_period([a, b, b, b]) == 4  # no repeating pattern: one group
+    assert llama.layer_period([b, a, b, b]) == 3  # one group of three, then a layer
+    assert llama.layer_period([b, b, a, b, b, a, b, b]) == 3  # two groups, then two layers one by one
+
+
+def test_the_scanned_step_plans_one_layer_in_a_loop():
+    """``models.train``'s default step (the blocks scanned) planned for v5e:2x4: the CP all-to-alls of the
+    layers are scheduled in the scan's body, once per iteration (the 2 layers of tiny), asynchronous
+    with compute inside; the step fits and its estimate counts the body's trips."""
+    pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
+    from models import train
+
+    cfg = train.TrainConfig(model="tiny", seq_len=2048, batch=2, cp_colossal=2, cp_ulysses=2, tp=2,
+                            kv_exchange="all_to_all", overlap_chunks=2, kernel="blockwise")
+    assert cfg.scan_layers
+    a = train.plan_train_step(cfg, "v5e:2x4")
+    a2a = [c for c in a.schedule.collectives if c.kind == "all-to-all" and c.bytes > 0]
+    assert a2a and all(c.in_loop and c.iterations == 2 for c in a2a), [(c.in_loop, c.iterations) for c in a2a]
+    both = ("cp_colossal", "cp_ulysses")
+    dkdv = [c for c in a2a if c.phase == "bwd" and c.axes == both]
+    assert len(dkdv) == 2 and all(c.is_async and c.overlapped for c in dkdv)  # one layer x 2 chunks
+    assert a.memory.fits and a.estimate.step_s > 0

@@ -618,7 +618,8 @@ def test_cli_degrees_not_matching_devices():
 
 
 PLAN = dict(model="tiny", seq_len=2048, batch=2, cp_colossal=2, cp_ulysses=2, tp=2, kv_exchange="all_to_all",
-            overlap_chunks=2, kernel="blockwise")
+            overlap_chunks=2, kernel="blockwise", scan_layers=False)  # unrolled: every layer's collectives
+# (the scanned default's plan: tests/test_scan_layers.py)
 
 
 def test_plan_one_training_step_for_a_tpu_topology(monkeypatch, capsys):
@@ -720,7 +721,8 @@ def _check_plan_cli(analysis, monkeypatch, capsys):
         return analysis if same and topology is None and not kw else real(cfg, topology, **kw)
 
     monkeypatch.setattr(train, "plan_train_step", planned)
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in PLAN.items()]
+    flags = [f"--{k.replace('_', '-')}={v}" if not isinstance(v, bool) else f"--{'' if v else 'no-'}{k.replace('_', '-')}"
+             for k, v in PLAN.items()]
     train.main(["--plan", "v5e:2x4", *flags, "--out", "/nonexistent/never-written"])
     assert len(asked) == 1 and all(getattr(asked[0], k) == v for k, v in PLAN.items()), asked
     out = capsys.readouterr().out
