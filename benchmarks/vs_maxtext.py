@@ -376,6 +376,10 @@ def main(argv=None) -> None:
     p.add_argument("--only", choices=("jax_cp", "maxtext"), help="compile one side only")
     p.add_argument("--out", default=str(ROOT / "runs" / "vs_maxtext"))
     p.add_argument("--force", action="store_true", help="recompile what --out already holds")
+    p.add_argument("--largest", action="store_true", help="find each side's largest context that fits the chip: "
+                   "--full-layers compiled whole at --seq-len, doubled while it fits (up to --max-seq-len), then "
+                   "bisected to a quarter of --seq-len")
+    p.add_argument("--max-seq-len", type=int, default=16 * 2**20)
     p.add_argument("--maxtext-driver", metavar="DIR", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args(argv)
     if a.maxtext_driver:
@@ -392,6 +396,8 @@ def main(argv=None) -> None:
         + ("" if a.jax_cp_kv_exchange == "auto" else f"-{a.jax_cp_kv_exchange}"): ("jax_cp", ("cp_colossal", "cp_ulysses")),
         f"maxtext-{a.maxtext_cp_strategy}-{a.maxtext_remat}": ("maxtext", ("context",)),
     }
+    if a.largest:
+        return largest(a, chip, sides)
     results = {}
     for side, (kind, cp_axes) in sides.items():
         if a.only and a.only != kind:
@@ -417,6 +423,61 @@ def main(argv=None) -> None:
         results[(side, "full")] = full
         results[(side, "by_layers")] = by_layers
     _print(a, chip, sides, results)
+
+
+def _compiled(a, chip, side: str, kind: str, cp_axes, S: int) -> tuple[dict | None, str]:
+    """``(figures, note)`` of ``side``'s whole step (``--full-layers``) at ``S`` tokens, compiled unless
+    ``--out`` holds it; ``None`` and the compiler's message where the compile itself fails."""
+    b = argparse.Namespace(**{**vars(a), "seq_len": S})
+    tag = f"{a.topology.replace(':', '_')}-S{S}-B{a.batch}-d{a.head_dim}"
+    path = os.path.join(a.out, tag, f"{side}-L{a.full_layers}")
+    if a.force or not Path(path, "memory.json").exists():
+        os.makedirs(path, exist_ok=True)
+        t0 = time.perf_counter()
+        print(f"compiling {side} at S={S} ({a.full_layers} layers) ...", flush=True)
+        try:
+            compile_jax_cp(b, a.full_layers, path) if kind == "jax_cp" else _run_maxtext(b, a.full_layers, path)
+        except (Exception, SystemExit) as e:  # a compiler that refuses the program (e.g. out of memory)
+            return None, str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
+        print(f"  {time.perf_counter() - t0:.0f} s", flush=True)
+    analysis, extra = read_program(path, chip, cp_axes)
+    devices = math.prod(extra["rec"]["mesh_shape"])
+    return figures(extra["rec"], analysis, extra, chip, a.full_layers, devices, b), path
+
+
+def largest(a, chip, sides) -> None:
+    """``--largest``: each side's step compiled whole at ``--seq-len``, doubled while its peak fits the
+    chip's HBM (up to ``--max-seq-len``), then bisected between the last fit and the first miss in steps
+    of a quarter of ``--seq-len``; prints every compile's peak and the largest context that fits."""
+    step = max(a.seq_len // 4, 1)
+    print(f"\nLargest context, {a.topology} ({chip.device_kind}, {chip.device_hbm_bytes / GiB:.0f} GiB HBM), "
+          f"B={a.batch}, {a.full_layers} layers compiled whole, per device:\n")
+    print("| side | S | peak (GiB) | fits | estimated step (s) |\n|---|---|---|---|---|")
+    for side, (kind, cp_axes) in sides.items():
+        if a.only and a.only != kind:
+            continue
+        tried = {}
+
+        def fits(S):
+            f, note = _compiled(a, chip, side, kind, cp_axes, S)
+            ok = f is not None and f["peak"] <= chip.device_hbm_bytes
+            tried[S] = (f, note, ok)
+            peak = "-" if f is None else f"{f['peak'] / GiB:.2f}"
+            print(f"| {side} | {S} | {peak} | {'yes' if ok else 'no' + ('' if f else f' ({note})')} | "
+                  + ("-" if f is None else f"{f['step_s']:.1f}") + " |", flush=True)
+            return ok
+
+        S = a.seq_len
+        while S <= a.max_seq_len and fits(S):
+            S *= 2
+        lo, hi = S // 2, min(S, a.max_seq_len + step)
+        if lo < a.seq_len:
+            print(f"{side}: {a.seq_len} tokens do not fit", flush=True)
+            continue
+        while hi - lo > step:
+            mid = (lo + hi) // 2 // step * step
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        print(f"{side}: the largest context that fits: {lo} tokens ({lo / 2**20:.2f}M)", flush=True)
 
 
 def _run_maxtext(a, layers: int, path: str) -> None:
