@@ -459,6 +459,40 @@ ENTRY %main (x: bf16[8,16], w: bf16[16,16], k: bf16[4,16]) -> (bf16[8,16], bf16[
 """
 
 
+HLO_ARS = """HloModule jit_step, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%all-reduce-scatter.clone.1 (input.7: f32[16,16]) -> f32[8,16] {
+  %input.7 = f32[16,16]{1,0} parameter(0)
+  %all-reduce.358 = f32[16,16]{1,0} all-reduce(%input.7), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add, metadata={op_name="jit(step)/transpose(jvp())/shard_map/reduce_scatter"}
+  %partition-id.94 = u32[] partition-id()
+  %constant.1 = u32[] constant(0)
+  ROOT %dynamic-slice.1618 = f32[8,16]{1,0} dynamic-slice(%all-reduce.358, %partition-id.94, %constant.1), dynamic_slice_sizes={8,16}
+}
+
+ENTRY %main (g: f32[16,16]) -> f32[8,16] {
+  %g = f32[16,16]{1,0} parameter(0)
+  ROOT %fusion.1667 = f32[8,16]{1,0} fusion(%g), kind=kCustom, calls=%all-reduce-scatter.clone.1
+}
+"""
+
+
+def test_parser_reads_the_all_reduce_scatter_fusion_as_a_reduce_scatter():
+    """TPU's ``all-reduce-scatter`` fusion (an all-reduce and a slice of it, what XLA makes of a gradient's
+    reduce-scatter) moves a reduce-scatter's bytes, not an all-reduce's twice as many."""
+    (c,) = plan.analyze_schedule(HLO_ARS, **MESH).collectives
+    assert (c.kind, c.axes, c.bytes, c.phase, c.is_async) == ("reduce-scatter", ("cp_colossal",), 16 * 16 * 4,
+                                                              "bwd", False)
+    assert c.wire_bytes == 16 * 16 * 4 / 2  # (n - 1) / n of the input over n = 2, where an all-reduce sends 2x
+    plain = plan.analyze_schedule(HLO_ARS.replace("all-reduce-scatter.clone.1", "fused_sum"), **MESH).collectives
+    assert plain[0].kind == "all-reduce" and plain[0].wire_bytes == 2 * c.wire_bytes
+
+
 def test_parser_sparsecore_offloaded_all_gather():
     s = plan.analyze_schedule(HLO_SPARSECORE, **MESH)
     (ag,) = s.collectives  # one collective: the inner all-gather is not counted again as synchronous

@@ -766,6 +766,9 @@ def _describe(mod, comp, i, names, instrs, done_pos, inside, is_async, mesh_shap
         core, core_comp = i, comp
     else:
         core, core_comp = mod.inner_collective(i.called[0])
+    kind = _kind(core.opcode)
+    if kind == "all-reduce" and core is not i and i.called and i.called[0].startswith("all-reduce-scatter"):
+        kind = "reduce-scatter"  # TPU's all-reduce-scatter fusion: an all-reduce and a slice, run as a reduce-scatter
     table = mod.by_name[core_comp]
     refs = core.refs or core.operands
     if _kind(core.opcode) == "ragged-all-to-all":  # (operand, output, offsets and sizes): the data is the first
@@ -782,7 +785,7 @@ def _describe(mod, comp, i, names, instrs, done_pos, inside, is_async, mesh_shap
         # reduce-scatter) keep the forward's name: such a collective is the backward's when its data is.
         phase = _phase_from_producers(names, _data_entry(i, instrs), depth=1)  # (deeper, CSE mixes the two)
     return Collective(
-        name=i.name, kind=_kind(core.opcode), axes=_axes(groups, mesh_shape, axis_names),
+        name=i.name, kind=kind, axes=_axes(groups, mesh_shape, axis_names),
         group_size=max((len(g) for g in groups), default=1) if core.opcode != "collective-permute" else 2,
         bytes=max(in_bytes, array_bytes(out_shape)), phase=phase, is_async=is_async,
         compute_inside=inside, op_name=op_name,
