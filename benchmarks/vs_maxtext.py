@@ -438,7 +438,9 @@ def _compiled(a, chip, side: str, kind: str, cp_axes, S: int) -> tuple[dict | No
         try:
             compile_jax_cp(b, a.full_layers, path) if kind == "jax_cp" else _run_maxtext(b, a.full_layers, path)
         except (Exception, SystemExit) as e:  # a compiler that refuses the program (e.g. out of memory)
-            return None, str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
+            lines = [ln for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+            return None, next((ln for ln in lines if "RESOURCE_EXHAUSTED" in ln or "memory" in ln.lower()),
+                              lines[0]).strip()[:160]
         print(f"  {time.perf_counter() - t0:.0f} s", flush=True)
     analysis, extra = read_program(path, chip, cp_axes)
     devices = math.prod(extra["rec"]["mesh_shape"])
