@@ -169,6 +169,7 @@ def compile_jax_cp(a, layers: int, out: str) -> None:
     cfg = train.TrainConfig(model=name, seq_len=a.seq_len, batch=a.batch, cp_colossal=a.cp_colossal,
                             cp_ulysses=a.cp_ulysses, tp=a.tp, remat=True, fsdp=True if a.jax_cp_fsdp else "auto",
                             kv_exchange=a.jax_cp_kv_exchange, scan_layers=not a.jax_cp_unrolled,
+                            residual_dtype=a.jax_cp_residual_dtype,
                             fsdp_axes="dp,cp_colossal,cp_ulysses", plan=a.topology,
                             progress=False)
     dump = os.path.join(out, "dump")
@@ -367,6 +368,8 @@ def main(argv=None) -> None:
                         "(--fsdp; default: the trainer's --fsdp auto, which does so for the 8B)")
     p.add_argument("--jax-cp-kv-exchange", default="auto", help="jax_cp's K/V exchange (auto, all_gather, "
                    "all_to_all, ring)")
+    p.add_argument("--jax-cp-residual-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="jax_cp's residual stream (models.train --residual-dtype; MaxText's is bfloat16)")
     p.add_argument("--jax-cp-unrolled", action="store_true", help="jax_cp unrolls its blocks "
                    "(models.train --no-scan-layers; default: one lax.scan, as MaxText scans its layers)")
     p.add_argument("--maxtext-cp-strategy", default="all_gather", choices=("all_gather", "ring"))
@@ -393,6 +396,7 @@ def main(argv=None) -> None:
     tag = f"{a.topology.replace(':', '_')}-S{a.seq_len}-B{a.batch}-d{a.head_dim}"
     sides = {
         "jax_cp" + ("-fsdp" if a.jax_cp_fsdp else "") + ("-unrolled" if a.jax_cp_unrolled else "-scan")
+        + ("-bf16res" if a.jax_cp_residual_dtype == "bfloat16" else "")
         + ("" if a.jax_cp_kv_exchange == "auto" else f"-{a.jax_cp_kv_exchange}"): ("jax_cp", ("cp_colossal", "cp_ulysses")),
         f"maxtext-{a.maxtext_cp_strategy}-{a.maxtext_remat}": ("maxtext", ("context",)),
     }

@@ -344,9 +344,9 @@ class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, mesh, dtype=jnp.bfloat16, fsdp: bool = False,
                  fsdp_axes: tuple[str, ...] = (DP,), remat: bool = False, kernel: str = "auto", kv_exchange="auto",
                  overlap_chunks: int | str = "auto", fused_qkv_chunks: int | str = "auto", scan_layers: bool = False,
-                 rngs: nnx.Rngs):
+                 residual_dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg, self.mesh, self.dtype, self.remat = cfg, mesh, jnp.dtype(dtype), remat
-        self.scan_layers = scan_layers
+        self.scan_layers, self.residual_dtype = scan_layers, _residual_dtype(residual_dtype)
         self.sharding = sharding = model_sharding(mesh, cfg.d_model, fsdp=fsdp, fsdp_axes=fsdp_axes)
         V, D = cfg.vocab_size, cfg.d_model
         embed = nnx.initializers.normal(0.02)(rngs.params(), (V, D), jnp.float32)
@@ -423,7 +423,7 @@ class Llama(nnx.Module):
         x_BSD = _shard_mapped(_lookup(self.embed), m, tokens_BS, sh.tokens_BS, (self.embed,), sh.x_BSD)
         if self.cfg.embed_scale is not None:
             x_BSD = x_BSD * jnp.float32(self.cfg.embed_scale)
-        x_BSD = jax_cp.place(x_BSD, m, sh.residual_BSD)
+        x_BSD = jax_cp.place(x_BSD.astype(self.residual_dtype), m, sh.residual_BSD)
 
         def apply(block, x, pos, seg, span):
             return jax_cp.place(block(x, pos, seg, infer, sh, span), m, sh.residual_BSD)
@@ -467,6 +467,15 @@ class Llama(nnx.Module):
         for i in range(groups * period, len(blocks)):
             x_BSD = steps[i % period](splits[i][1], x_BSD)
         return x_BSD
+
+
+def _residual_dtype(dtype) -> jnp.dtype:
+    """``float32`` or ``bfloat16``: the residual stream's dtype; a ValueError for any other."""
+    d = jnp.dtype(dtype)
+    if d not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"residual_dtype={d.name} must be float32 or bfloat16 (bfloat16: half the memory "
+                         "remat keeps a layer, MaxText's choice; float32: the default).")
+    return d
 
 
 def layer_period(graphs: list) -> int:

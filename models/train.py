@@ -95,6 +95,7 @@ class TrainConfig:
     prefix_lm: float | None = None  # a prefix-LM objective: this share of each document is a bidirectional prompt
     remat: bool = False
     scan_layers: bool = True  # the blocks as one lax.scan over stacked parameters (models.llama.Llama)
+    residual_dtype: str = "float32"  # the residual stream between blocks (bfloat16: half what remat keeps)
     data: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 100
@@ -245,6 +246,9 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scan-layers", dest="scan_layers", action="store_true", default=d.scan_layers,
                    help="run the blocks as one lax.scan (the default; their parameters stacked for the step, the "
                         "checkpoint layout unchanged): one block's buffers in the schedule, one block compiled")
+    g.add_argument("--residual-dtype", choices=("float32", "bfloat16"), default=d.residual_dtype,
+                   help="the residual stream between blocks: float32 (default) or bfloat16 (half the memory remat "
+                        "keeps a layer, as MaxText does)")
     g.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
                    help="unroll the blocks: one program with every layer's own buffers and collectives")
     g.add_argument("--linear-pieces", type=int, default=d.linear_pieces,
@@ -558,7 +562,7 @@ def fsdp_choice(cfg: TrainConfig, dims: jax_cp.MeshDims) -> tuple[bool, str]:
 def _model_kwargs(cfg: TrainConfig, mesh) -> dict:
     fsdp, _ = fsdp_choice(cfg, jax_cp.mesh_dims(mesh))
     return dict(dtype=jnp.dtype(cfg.dtype), fsdp=fsdp, fsdp_axes=cfg.fsdp_axes_tuple, remat=cfg.remat,
-                scan_layers=cfg.scan_layers, kernel=cfg.kernel,
+                scan_layers=cfg.scan_layers, residual_dtype=jnp.dtype(cfg.residual_dtype), kernel=cfg.kernel,
                 kv_exchange=cfg.kv_exchange, overlap_chunks=cfg.overlap_chunks,
                 fused_qkv_chunks=cfg.fused_qkv_chunks)
 

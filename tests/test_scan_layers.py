@@ -83,3 +83,39 @@ def test_the_scanned_step_plans_one_layer_in_a_loop():
     dkdv = [c for c in a2a if c.phase == "bwd" and c.axes == both]
     assert len(dkdv) == 2 and all(c.is_async and c.overlapped for c in dkdv)  # one layer x 2 chunks
     assert a.memory.fits and a.estimate.step_s > 0
+
+
+@needs_devices(8)
+def test_a_bfloat16_residual_stream_is_what_the_scan_carries():
+    """``residual_dtype=bfloat16`` (``--residual-dtype``): the scan carries the residual in bfloat16 (half of
+    what remat keeps a layer), and the loss and gradients on (2, 2, 2) equal one device's with the same
+    stream, at bfloat16 tolerances; any other dtype is a ValueError naming the choices."""
+    cfg = hybrid.get_config("tiny")
+    B, S = 2, 64
+    rng = np.random.default_rng(1)
+    batch = {k: rng.integers(0, 256, (B, S)).astype(np.int32) for k in ("tokens", "labels")}
+    batch |= dict(positions=np.tile(np.arange(S, dtype=np.int32), (B, 1)), segment_ids=np.zeros((B, S), np.int32),
+                  weights=np.ones((B, S), np.float32))
+    out = {}
+    for name, devices, layout in (("cp", 8, dict(cp_colossal=2, cp_ulysses=2, tp=2)), ("one", 1, {})):
+        mesh = jax_cp.make_mesh(devices=jax.devices()[:devices], axis_types=AxisType.Auto, **layout)
+        with jax.set_mesh(mesh):
+            model = llama.Llama(cfg, mesh=mesh, dtype=jnp.float32, remat=True, scan_layers=True,
+                                residual_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+            graph, state = nnx.split(model)
+
+            def loss(state):
+                return llama.next_token_loss(nnx.merge(graph, state), batch)[0]
+
+            if name == "cp":
+                scans = [e for e in jax.make_jaxpr(loss)(state).jaxpr.eqns if e.primitive.name == "scan"]
+                carry = scans[0].params["jaxpr"].in_avals[scans[0].params["num_consts"]]
+                assert carry.shape == (B, S, cfg.d_model) and carry.dtype == jnp.bfloat16
+            out[name] = jax.jit(jax.value_and_grad(loss))(state)
+    tol = TOL[jnp.dtype(jnp.bfloat16)]
+    np.testing.assert_allclose(float(out["cp"][0]), float(out["one"][0]), **tol)
+    for a, b in zip(jax.tree.leaves(out["cp"][1]), jax.tree.leaves(out["one"][1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
+    with pytest.raises(ValueError, match=r"residual_dtype=float16 must be float32 or bfloat16"):
+        llama.Llama(cfg, mesh=jax_cp.make_mesh(devices=jax.devices()[:1]), residual_dtype=jnp.float16,
+                    rngs=nnx.Rngs(0))
