@@ -393,7 +393,6 @@ def main(argv=None) -> None:
     from jax_cp import plan
 
     chip = plan.chip_for(a.topology)
-    tag = f"{a.topology.replace(':', '_')}-S{a.seq_len}-B{a.batch}-d{a.head_dim}"
     sides = {
         "jax_cp" + ("-fsdp" if a.jax_cp_fsdp else "") + ("-unrolled" if a.jax_cp_unrolled else "-scan")
         + ("-bf16res" if a.jax_cp_residual_dtype == "bfloat16" else "")
@@ -408,19 +407,7 @@ def main(argv=None) -> None:
             continue
         by_layers = {}
         for L in a.layers:
-            path = os.path.join(a.out, tag, f"{side}-L{L}")
-            if a.force or not Path(path, "memory.json").exists():
-                os.makedirs(path, exist_ok=True)
-                t0 = time.perf_counter()
-                print(f"compiling {side} with {L} layers ...", flush=True)
-                if kind == "jax_cp":
-                    compile_jax_cp(a, L, path)
-                else:
-                    _run_maxtext(a, L, path)
-                print(f"  {time.perf_counter() - t0:.0f} s", flush=True)
-            analysis, extra = read_program(path, chip, cp_axes)
-            devices = math.prod(extra["rec"]["mesh_shape"])
-            by_layers[L] = figures(extra["rec"], analysis, extra, chip, L, devices, a)
+            by_layers[L], analysis, extra, path = _program(a, chip, side, kind, cp_axes, L)
             results[(side, L)] = (analysis, extra, path)
         full = extrapolate(by_layers, a.full_layers)
         full["step_s"] = _step_of(full)
@@ -429,26 +416,33 @@ def main(argv=None) -> None:
     _print(a, chip, sides, results)
 
 
-def _compiled(a, chip, side: str, kind: str, cp_axes, S: int) -> tuple[dict | None, str]:
-    """``(figures, note)`` of ``side``'s whole step (``--full-layers``) at ``S`` tokens, compiled unless
-    ``--out`` holds it; ``None`` and the compiler's message where the compile itself fails."""
-    b = argparse.Namespace(**{**vars(a), "seq_len": S})
-    tag = f"{a.topology.replace(':', '_')}-S{S}-B{a.batch}-d{a.head_dim}"
-    path = os.path.join(a.out, tag, f"{side}-L{a.full_layers}")
+def _program(a, chip, side: str, kind: str, cp_axes, layers: int) -> tuple[dict, object, dict, str]:
+    """``(figures, analysis, extra, path)`` of ``side``'s step with ``layers`` layers at ``--seq-len``,
+    compiled unless ``--out`` holds it (or ``--force``)."""
+    tag = f"{a.topology.replace(':', '_')}-S{a.seq_len}-B{a.batch}-d{a.head_dim}"
+    path = os.path.join(a.out, tag, f"{side}-L{layers}")
     if a.force or not Path(path, "memory.json").exists():
         os.makedirs(path, exist_ok=True)
         t0 = time.perf_counter()
-        print(f"compiling {side} at S={S} ({a.full_layers} layers) ...", flush=True)
-        try:
-            compile_jax_cp(b, a.full_layers, path) if kind == "jax_cp" else _run_maxtext(b, a.full_layers, path)
-        except (Exception, SystemExit) as e:  # a compiler that refuses the program (e.g. out of memory)
-            lines = [ln for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
-            return None, next((ln for ln in lines if "RESOURCE_EXHAUSTED" in ln or "memory" in ln.lower()),
-                              lines[0]).strip()[:160]
+        print(f"compiling {side} with {layers} layers at S={a.seq_len} ...", flush=True)
+        compile_jax_cp(a, layers, path) if kind == "jax_cp" else _run_maxtext(a, layers, path)
         print(f"  {time.perf_counter() - t0:.0f} s", flush=True)
     analysis, extra = read_program(path, chip, cp_axes)
     devices = math.prod(extra["rec"]["mesh_shape"])
-    return figures(extra["rec"], analysis, extra, chip, a.full_layers, devices, b), path
+    return figures(extra["rec"], analysis, extra, chip, layers, devices, a), analysis, extra, path
+
+
+def _compiled(a, chip, side: str, kind: str, cp_axes, S: int) -> tuple[dict | None, str]:
+    """``(figures, path)`` of ``side``'s whole step (``--full-layers``) at ``S`` tokens (``_program``);
+    ``None`` and the compiler's message where the compile itself fails."""
+    try:
+        f, _, _, path = _program(argparse.Namespace(**{**vars(a), "seq_len": S}), chip, side, kind, cp_axes,
+                                 a.full_layers)
+    except (Exception, SystemExit) as e:  # a compiler that refuses the program (e.g. out of memory)
+        lines = [ln for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+        return None, next((ln for ln in lines if "RESOURCE_EXHAUSTED" in ln or "memory" in ln.lower()),
+                          lines[0]).strip()[:160]
+    return f, path
 
 
 def largest(a, chip, sides) -> None:
