@@ -429,21 +429,21 @@ class Llama(nnx.Module):
             return jax_cp.place(block(x, pos, seg, infer, sh, span), m, sh.residual_BSD)
 
         if self.scan_layers and infer is None:
-            x_BSD = self._scanned(x_BSD, positions, segment_ids, span_ids, sh)
-            return self.final_norm(x_BSD).astype(self.dtype)
-        if self.remat and infer is None:
-            apply = nnx.remat(apply)
-        for block in self.blocks:
-            x_BSD = apply(block, x_BSD, positions, segment_ids, span_ids)
+            x_BSD = self._scanned(apply, x_BSD, positions, segment_ids, span_ids)
+        else:
+            if self.remat and infer is None:
+                apply = nnx.remat(apply)
+            for block in self.blocks:
+                x_BSD = apply(block, x_BSD, positions, segment_ids, span_ids)
         return self.final_norm(x_BSD).astype(self.dtype)
 
-    def _scanned(self, x_BSD, positions, segment_ids, span_ids, sh):
+    def _scanned(self, apply, x_BSD, positions, segment_ids, span_ids):
         """The blocks of a training step as one ``lax.scan`` over groups of ``period`` blocks (``layer_period``:
         1 for Llama, the attention interval for a hybrid, 6 for Gemma 3's 5:1; layers after the last whole
         group run after it): each group position's parameters stacked along a new leading axis for the step
         (the parameter tree keeps one entry per layer), so the compiler schedules one group's buffers and
-        collectives, and compiles one body."""
-        m, blocks = self.mesh, list(self.blocks)
+        collectives, and compiles one body. ``apply(block, x, positions, segment_ids, span_ids)``: one block."""
+        blocks = list(self.blocks)
         splits = [nnx.split(block) for block in blocks]
         period = layer_period([graph for graph, _ in splits])
         groups = len(blocks) // period  # the layers after the last whole group run one by one after the scan
@@ -451,8 +451,7 @@ class Llama(nnx.Module):
                    for j in range(period)]
 
         def one(j, state, x):
-            block = nnx.merge(splits[j][0], state)
-            return jax_cp.place(block(x, positions, segment_ids, None, sh, span_ids), m, sh.residual_BSD)
+            return apply(nnx.merge(splits[j][0], state), x, positions, segment_ids, span_ids)
 
         steps = [functools.partial(one, j) for j in range(period)]
         if self.remat:

@@ -246,11 +246,11 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scan-layers", dest="scan_layers", action="store_true", default=d.scan_layers,
                    help="run the blocks as one lax.scan (the default; their parameters stacked for the step, the "
                         "checkpoint layout unchanged): one block's buffers in the schedule, one block compiled")
+    g.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
+                   help="unroll the blocks: one program with every layer's own buffers and collectives")
     g.add_argument("--residual-dtype", choices=("float32", "bfloat16"), default=d.residual_dtype,
                    help="the residual stream between blocks: float32 (default) or bfloat16 (half the memory remat "
                         "keeps a layer, as MaxText does)")
-    g.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
-                   help="unroll the blocks: one program with every layer's own buffers and collectives")
     g.add_argument("--linear-pieces", type=int, default=d.linear_pieces,
                    help="hybrid models: state slots per CP rank of every linear layer, fixed (default: each batch's "
                         "need, counted on the host and rounded up to a power of two: one program per value; "

@@ -771,7 +771,7 @@ def _describe(mod, comp, i, names, instrs, done_pos, inside, is_async, mesh_shap
         kind = "reduce-scatter"  # TPU's all-reduce-scatter fusion: an all-reduce and a slice, run as a reduce-scatter
     table = mod.by_name[core_comp]
     refs = core.refs or core.operands
-    if _kind(core.opcode) == "ragged-all-to-all":  # (operand, output, offsets and sizes): the data is the first
+    if kind == "ragged-all-to-all":  # (operand, output, offsets and sizes): the data is the first
         refs = refs[:1]
     in_bytes = sum(array_bytes(_operand_shape(table, r)) for r in refs)
     out_shape = core.shape
