@@ -139,7 +139,7 @@ def tpu(args) -> None:
         for S in args.seqs:
             pos, seg = order_metadata(order, mesh, B, S, seed=args.seed)
             need = linear.needed_pieces(pos, seg, dims.c)
-            slots = args.pieces or min(1 << max(need - 1, 0).bit_length(), S // dims.c)  # as the layer sizes them
+            slots = args.pieces or linear.sized_pieces(need, S // dims.c)  # as the layer sizes them
             docs = max(len(np.unique(r[r >= 0])) for r in seg)
             layer = lambda *a, pos=pos, seg=seg: linear.gated_delta_rule(  # noqa: E731
                 *a, mesh=mesh, chunk_size=args.chunk, max_pieces=args.pieces, positions=pos, segment_ids=seg)

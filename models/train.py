@@ -462,7 +462,7 @@ def linear_pieces(model_cfg, slots: tuple[int, int] | None, seq_len: int, dims) 
         from jax.experimental import multihost_utils
 
         need = int(np.max(multihost_utils.process_allgather(np.int32(need))))
-    return 1 << max(need - 1, 0).bit_length()
+    return linear.sized_pieces(need)
 
 
 def _planned_exchange(plans: list[load_balance.Dispatch]):

@@ -129,6 +129,8 @@ def test_each_batch_gets_the_state_slots_its_order_needs():
     assert cfg.linear_max_pieces is None
     assert [train.linear_pieces(cfg, (need, 1), 64, dims) for need in (0, 1, 2, 3, 5, 8, 9)] == [1, 1, 2, 4, 8, 8, 16]
     assert train.linear_pieces(cfg, (2, 3), 64, dims) == 4  # the convolution halo's count too
+    # the layer's own rule (jax_cp.linear.sized_pieces), which also bounds them by a rank's tokens
+    assert jax_cp.linear.sized_pieces(5) == 8 and jax_cp.linear.sized_pieces(5, 6) == 6
     assert train.linear_pieces(cfg, None, 64, dims) is None
     assert train.linear_pieces(hybrid.get_config("tiny"), (9, 9), 64, dims) is None
     fixed = dataclasses.replace(cfg, linear_max_pieces=4)

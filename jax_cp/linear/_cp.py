@@ -25,7 +25,8 @@ from jax_cp.linear._chains import pass_states
 from jax_cp.linear._chunk import runs
 from jax_cp.linear._topology import CONT, topology
 
-__all__ = ["DEFAULT_PIECES", "HEADS", "META", "STATE", "Layout", "layout", "needed_pieces", "pieces_for", "placed_meta", "run",
+__all__ = ["DEFAULT_PIECES", "HEADS", "META", "STATE", "Layout", "layout", "needed_pieces", "pieces_for", "placed_meta",
+           "sized_pieces", "run",
            "shard_state"]
 
 DEFAULT_PIECES = 16
@@ -98,7 +99,7 @@ def placed_meta(positions, segment_ids, batch: int, seq_len: int, mesh, lay: Lay
         need, cuts = _host_count(np.asarray(pos), np.asarray(seg), lay.c)
         lay = dataclasses.replace(lay, cuts=cuts)
         if sized:
-            lay = dataclasses.replace(lay, pieces=min(1 << max(need - 1, 0).bit_length(), lay.L))
+            lay = dataclasses.replace(lay, pieces=sized_pieces(need, lay.L))
         elif need > lay.pieces:
             raise ValueError(f"max_pieces={lay.pieces} is too few for this row's order: a rank holds {need} runs "
                              f"that continue a document across ranks (each needs a state slot); pass "
@@ -116,6 +117,21 @@ def _on_host(given, checked, batch: int, seq_len: int):
             isinstance(given, jax.Array) and not given.is_fully_addressable):
         return checked
     return np.broadcast_to(np.asarray(given).astype(np.int32), (batch, seq_len))
+
+
+def sized_pieces(need: int, tokens_per_rank: int | None = None) -> int:
+    """The state slots a layer holds for an order needing ``need`` (:func:`needed_pieces`): the power of two
+    at or above it (at least 1: few distinct programs), at most ``tokens_per_rank`` where given.
+
+    Args:
+        need: the slots the busiest rank needs.
+        tokens_per_rank: ``S / cp_colossal``, the most slots a rank can use; ``None``: no bound.
+
+    Returns:
+        The slots, a positive int.
+    """
+    pieces = 1 << max(need - 1, 0).bit_length()
+    return pieces if tokens_per_rank is None else min(pieces, tokens_per_rank)
 
 
 def needed_pieces(pos_BS: np.ndarray, seg_BS: np.ndarray, c: int) -> int:
