@@ -144,9 +144,9 @@ def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads
 
     ``kv_bytes_per_device``: all-gathered K/V of one layer on one device; with ``hbm_bytes`` it
     decides whether the O(S/c) ring is needed (where ``gathered_bytes`` exceeds ``KV_MEMORY_SHARE``
-    of HBM: the rest of a step, its other layers' saved activations included, needs the remainder). ``kernel``: the local kernel the
-    layer runs (``"splash"`` takes ``SPLASH_RULES`` where they have the layout kind, and
-    ``SPLASH_LONG_RULES`` from their ``tokens_per_device``, ``S / (c u)``, on). A table's
+    of HBM: the rest of a step, its other layers' saved activations included, needs the remainder).
+    ``kernel``: the local kernel the layer runs (``"splash"`` takes ``SPLASH_RULES`` where they have
+    the layout kind, and ``SPLASH_LONG_RULES`` from their ``tokens_per_device``, ``S / (c u)``, on). A table's
     ``"<kind>, t=1"`` entry, where there is one, is the rule for ``t == 1``.
     """
     if c == 1 and u == 1:
