@@ -48,6 +48,8 @@ GiB = 2**30
 MAXTEXT_TOPOLOGY = {"v5p:4x4x4": "v5p-128", "v5p:2x2x2": "v5p-16", "tpu7x:4x4x4": "tpu7x-128",
                     "v6e:16x16": "v6e-256", "v5e:16x16": "v5e-256"}
 # Libtpu's environment for a compile-only process (jax_cp.plan sets the same: quiet, shared load).
+# The flags --maxtext-flags jax_cp adds to MaxText's compile (its own config's compile_xla_flags kept).
+MAXTEXT_FLAGS_ENV = "VS_MAXTEXT_XLA_FLAGS"
 QUIET_ENV = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
              "JAX_PLATFORMS": "cpu"}
 
@@ -90,6 +92,7 @@ def maxtext_driver(out: str, overrides: list[str]) -> None:
                              static_argnums=static_argnums, donate_argnums=donate_argnums)
             lowered = jitted.lower(*args, **kwargs)
         options = max_utils.parse_libtpu_flags_to_dict(config.compile_xla_flags)
+        options |= max_utils.parse_libtpu_flags_to_dict(os.environ.get(MAXTEXT_FLAGS_ENV, ""))
         options |= {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
         t0 = time.perf_counter()
         compiled = lowered.compile(compiler_options=options)
@@ -103,6 +106,7 @@ def maxtext_driver(out: str, overrides: list[str]) -> None:
         "maxtext": _version("maxtext"), "jax": jax.__version__, "libtpu": _version("libtpu"),
         "overrides": overrides, "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
         "compile_xla_flags": captured["config"].compile_xla_flags,
+        "jax_cp_flags": os.environ.get(MAXTEXT_FLAGS_ENV, "").split(),
     })
 
 
@@ -374,6 +378,9 @@ def main(argv=None) -> None:
                    "(models.train --no-scan-layers; default: one lax.scan, as MaxText scans its layers)")
     p.add_argument("--maxtext-cp-strategy", default="all_gather", choices=("all_gather", "ring"))
     p.add_argument("--maxtext-remat", default="full")
+    p.add_argument("--maxtext-flags", default="default", choices=("default", "jax_cp"),
+                   help="MaxText's compiler flags: its own (default) or, added to them, jax_cp's "
+                        "plan.recommended_xla_flags for the chip and FSDP (MaxText's sharding), jax_cp's side's flags")
     p.add_argument("--maxtext-extra", nargs="*", default=[], help="more MaxText key=value overrides")
     p.add_argument("--maxtext-python", default=str(MAXTEXT_PYTHON))
     p.add_argument("--only", choices=("jax_cp", "maxtext"), help="compile one side only")
@@ -397,7 +404,8 @@ def main(argv=None) -> None:
         "jax_cp" + ("-fsdp" if a.jax_cp_fsdp else "") + ("-unrolled" if a.jax_cp_unrolled else "-scan")
         + ("-bf16res" if a.jax_cp_residual_dtype == "bfloat16" else "")
         + ("" if a.jax_cp_kv_exchange == "auto" else f"-{a.jax_cp_kv_exchange}"): ("jax_cp", ("cp_colossal", "cp_ulysses")),
-        f"maxtext-{a.maxtext_cp_strategy}-{a.maxtext_remat}": ("maxtext", ("context",)),
+        f"maxtext-{a.maxtext_cp_strategy}-{a.maxtext_remat}" + ("-jaxcpflags" if a.maxtext_flags == "jax_cp" else ""):
+            ("maxtext", ("context",)),
     }
     if a.largest:
         return largest(a, chip, sides)
@@ -487,6 +495,9 @@ def _run_maxtext(a, layers: int, path: str) -> None:
         raise SystemExit("--head-dim other than 128: MaxText's side is llama3.1-8b's shape only.")
     env = dict(os.environ, **QUIET_ENV)
     env.pop("PYTHONPATH", None)
+    if a.maxtext_flags == "jax_cp":
+        from jax_cp.plan import chip_for, recommended_xla_flags
+        env[MAXTEXT_FLAGS_ENV] = " ".join(recommended_xla_flags("tpu", chip=chip_for(a.topology).name, fsdp=True))
     cmd = [a.maxtext_python, os.path.abspath(__file__), "--maxtext-driver", path, "--", *maxtext_overrides(a, layers)]
     with open(os.path.join(path, "log.txt"), "w") as log:
         r = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd="/tmp")

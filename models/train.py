@@ -312,7 +312,8 @@ def init_jax(cfg: TrainConfig) -> None:
     if cfg.xla_flags:
         from jax_cp import plan
 
-        applied = plan.apply_for_this_host()  # what the planner assumed; user-set flags keep their value
+        # what the planner assumes (xla_flags_for); user-set flags keep their value
+        applied = plan.apply_for_this_host(fsdp=cfg.fsdp is not False)
         if applied:
             print(f"{applied[0]}={applied[1]}  (jax_cp.plan.recommended_xla_flags; --no-xla-flags to skip)")
     if cfg.devices is not None:
@@ -671,6 +672,15 @@ def _train_step_fn(graphdef):
     return train_step
 
 
+def xla_flags_for(cfg: TrainConfig, chip: str) -> tuple[str, ...]:
+    """``jax_cp.plan.recommended_xla_flags`` for a run of ``cfg`` on TPU ``chip``: with the FSDP flags unless
+    ``--no-fsdp`` (``--fsdp auto`` is decided after JAX starts, too late for libtpu's flags, so it gets them
+    too; they cost a replicated 8B step 1.4 ms of exposed communication in 8 layers: jax_cp/plan/_flags.py)."""
+    from jax_cp import plan
+
+    return plan.recommended_xla_flags("tpu", chip=chip, fsdp=cfg.fsdp is not False)
+
+
 def plan_train_step(cfg: TrainConfig, topology: str | None = None, *, memory_budget: int | None = None,
                     xla_flags: tuple[str, ...] | None = None):
     """Compiles one training step of ``cfg`` for a TPU ``topology`` ahead of time and analyzes it.
@@ -701,7 +711,8 @@ def plan_train_step(cfg: TrainConfig, topology: str | None = None, *, memory_bud
     with jax.set_mesh(mesh):  # the state is donated, as train's step does: the peak counts it once
         a = plan.analyze_program(_train_step_fn(graphdef), (state, batch), topology=topology, mesh=mesh,
                                  label=f"train step {cfg.model_name}", memory_budget=memory_budget,
-                                 xla_flags=xla_flags, donate_argnums=0)
+                                 xla_flags=xla_flags or xla_flags_for(cfg, plan.chip_for(topology).name),
+                                 donate_argnums=0)
     if not a.kernel_calls:  # no splash: the compiler counted every FLOP
         return a
     executed = a.flops + splash_flops(cfg, model_config(cfg), jax_cp.mesh_dims(mesh))
@@ -751,7 +762,7 @@ def _plan_main(cfg: TrainConfig) -> None:
           f"remat={cfg.remat} "
           f"kernel={cfg.kernel} kv_exchange={cfg.kv_exchange} overlap_chunks={cfg.overlap_chunks} "
           f"fused_qkv_chunks={cfg.fused_qkv_chunks}\n"
-          f"flags: {' '.join(plan.recommended_xla_flags('tpu', chip=chip.name))}\n")
+          f"flags: {' '.join(xla_flags_for(cfg, chip.name))}\n")
     print(plan.format_programs([a], grouped=True))
 
 

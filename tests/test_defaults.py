@@ -249,6 +249,10 @@ def test_recommended_flags_for_this_host():
     assert set(plan.recommended_xla_flags("tpu", chip="v5e")) - {"--xla_tpu_enable_async_all_to_all=true"} <= set(flags)
     _, v5p = plan.apply_for_this_host({"TPU_ACCELERATOR_TYPE": "v5p-128"})
     assert set(v5p.split()) == set(plan.recommended_xla_flags("tpu", chip="v5p"))
+    _, fsdp = plan.apply_for_this_host({"TPU_ACCELERATOR_TYPE": "v5p-128"}, fsdp=True)  # models.train unless --no-fsdp
+    added = set(fsdp.split()) - set(v5p.split())
+    assert added == {"--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true",
+                     "--xla_tpu_enable_sparse_core_collective_offload_2d_all_gather=true"}
 
 
 def test_splash_layers_take_the_rule_measured_with_splash():

@@ -551,6 +551,10 @@ def test_recommended_flags():
     fuse = "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true"
     assert offload in v5p and fuse in plan.recommended_xla_flags("tpu", chip="v5e")
     assert offload not in tpu and fuse not in tpu and fuse not in v5p
+    # FSDP on v5p: the gradient reduce-scatters and two-axis weight gathers offloaded too (v5p only)
+    scatter = "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true"
+    assert scatter in plan.recommended_xla_flags("tpu", chip="v5p", fsdp=True) and scatter not in v5p
+    assert plan.recommended_xla_flags("tpu", chip="v5e", fsdp=True) == plan.recommended_xla_flags("tpu", chip="v5e")
     assert plan.compiler_options(("--a=true", "--b=FALSE", "--c=12", "--d=x")) == dict(a=True, b=False, c=12, d="x")
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in plan.recommended_xla_flags("gpu")
     env = {"LIBTPU_INIT_ARGS": "--xla_tpu_enable_async_all_to_all=false --my_flag=1"}

@@ -683,8 +683,9 @@ def test_planned_step_overlaps_the_gradient_sums_on_v5p():
 
     flags = plan.recommended_xla_flags("tpu", chip="v5p")
     assert "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true" in flags
-    a = train.plan_train_step(train.TrainConfig(**{**PLAN, "kv_exchange": "auto", "overlap_chunks": "auto"}),
-                              "v5p:2x2x2")
+    cfg = train.TrainConfig(**{**PLAN, "kv_exchange": "auto", "overlap_chunks": "auto", "fsdp": False})
+    assert train.xla_flags_for(cfg, "v5p") == flags  # replicated: without the FSDP flags
+    a = train.plan_train_step(cfg, "v5p:2x2x2")
     grads = [c for c in a.schedule.collectives if c.kind == "all-reduce" and c.phase == "bwd" and c.bytes > 0
              and c.axes == ("cp_colossal", "cp_ulysses") and not c.feeds_compute]
     assert len(grads) >= 2 and all(c.is_async for c in grads), [(c.bytes, c.is_async) for c in grads]

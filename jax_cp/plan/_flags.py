@@ -53,6 +53,15 @@ _TPU_V5P_FLAGS = (
     # the exposed communication of a planned step falls (benchmarks/RESULTS.md, a whole training step).
     "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
 )
+# v5p with FSDP (parameters stored sharded, gathered for each layer, gradients reduce-scattered): the
+# SparseCores also take the reduce-scatters and the all-gathers over two mesh axes (cp_colossal x
+# cp_ulysses), synchronous on the TensorCore without them. The 8B step on v5p:4x4x4 at 32K, 8 scanned
+# layers: exposed communication 15.0 -> 10.5 ms with FSDP; replicated weights 10.8 -> 12.2 ms, so these
+# stay FSDP-only (benchmarks/RESULTS.md, "Beside MaxText").
+_TPU_V5P_FSDP_FLAGS = (
+    "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_2d_all_gather=true",
+)
 
 _GPU_FLAGS = (
     # The scheduler that moves collective starts early and dones late, around compute.
@@ -73,7 +82,7 @@ def _check_platform(platform: str) -> str:
     return platform
 
 
-def recommended_xla_flags(platform: str = "tpu", *, chip: str | None = None) -> tuple[str, ...]:
+def recommended_xla_flags(platform: str = "tpu", *, chip: str | None = None, fsdp: bool = False) -> tuple[str, ...]:
     """The flags (``--name=value`` strings) we recommend for ``platform``.
 
     On TPU they make all-to-all, all-gather, reduce-scatter, all-reduce and
@@ -82,7 +91,8 @@ def recommended_xla_flags(platform: str = "tpu", *, chip: str | None = None) -> 
     fusion, which libtpu supports on v5e only, ``chip="v5p"`` the scheduler
     features that hide all-to-alls there and SparseCore offload of all-gather and
     all-reduce (the training step's gradient sums; ``chip=None``: the flags safe
-    on every generation). On GPU they enable that scheduler and pipelining of
+    on every generation), and with ``fsdp`` also of reduce-scatter and two-axis
+    all-gather (an FSDP step's weight gathers and gradient reduce-scatters). On GPU they enable that scheduler and pipelining of
     collectives across layers. All names were checked against jaxlib 0.10.2 /
     libtpu 0.0.52; unknown flags make XLA abort at start-up.
 
@@ -90,13 +100,16 @@ def recommended_xla_flags(platform: str = "tpu", *, chip: str | None = None) -> 
         platform: ``"tpu"`` or ``"gpu"``.
         chip: the TPU generation (``"v5e"``, ``"v5p"``, ...); ``None``: the flags safe on
             every generation.
+        fsdp: the programs store parameters sharded over the data and CP axes (``models.train
+            --fsdp``); adds the v5p flags that help such a step and cost a replicated one.
 
     Returns:
         The flags, ``--name=value`` strings.
     """
     if _check_platform(platform) == "gpu":
         return _GPU_FLAGS
-    return _TPU_FLAGS + {"v5e": _TPU_V5E_FLAGS, "v5p": _TPU_V5P_FLAGS}.get(chip, ())
+    extra = _TPU_V5P_FSDP_FLAGS if fsdp and chip == "v5p" else ()
+    return _TPU_FLAGS + {"v5e": _TPU_V5E_FLAGS, "v5p": _TPU_V5P_FLAGS}.get(chip, ()) + extra
 
 
 def compiler_options(flags: tuple[str, ...]) -> dict[str, bool | int | str]:
@@ -137,7 +150,8 @@ def merge_flags(existing: str, flags: tuple[str, ...]) -> str:
 
 
 def apply_recommended_flags(
-    platform: str = "tpu", *, chip: str | None = None, environ: MutableMapping[str, str] | None = None
+    platform: str = "tpu", *, chip: str | None = None, fsdp: bool = False,
+    environ: MutableMapping[str, str] | None = None
 ) -> str:
     """Adds the recommended flags to ``LIBTPU_INIT_ARGS`` (TPU) or ``XLA_FLAGS`` (GPU).
 
@@ -145,7 +159,7 @@ def apply_recommended_flags(
     compilation in this process (libtpu and XLA read the variable once).
 
     Args:
-        platform, chip: as :func:`recommended_xla_flags`.
+        platform, chip, fsdp: as :func:`recommended_xla_flags`.
         environ: the environment to change (default ``os.environ``).
 
     Returns:
@@ -153,7 +167,7 @@ def apply_recommended_flags(
     """
     env: MutableMapping[str, str] = os.environ if environ is None else environ
     name = FLAG_ENV[_check_platform(platform)]
-    env[name] = merge_flags(env.get(name, ""), recommended_xla_flags(platform, chip=chip))
+    env[name] = merge_flags(env.get(name, ""), recommended_xla_flags(platform, chip=chip, fsdp=fsdp))
     return env[name]
 
 
@@ -165,7 +179,8 @@ def _installed(*modules: str) -> bool:
     return any(importlib.util.find_spec(m) is not None for m in modules)
 
 
-def apply_for_this_host(environ: MutableMapping[str, str] | None = None) -> tuple[str, str] | None:
+def apply_for_this_host(environ: MutableMapping[str, str] | None = None, *,
+                        fsdp: bool = False) -> tuple[str, str] | None:
     """Before JAX starts: the recommended flags for the accelerator this host will use, if any.
 
     TPU when the ``libtpu`` wheel is installed (the chip from ``TPU_ACCELERATOR_TYPE``;
@@ -174,6 +189,7 @@ def apply_for_this_host(environ: MutableMapping[str, str] | None = None) -> tupl
 
     Args:
         environ: the environment to read and change (default ``os.environ``).
+        fsdp: as :func:`recommended_xla_flags`.
 
     Returns:
         ``(variable, value)``, or None when nothing was applied.
@@ -185,7 +201,7 @@ def apply_for_this_host(environ: MutableMapping[str, str] | None = None) -> tupl
     if (not wanted or "tpu" in wanted) and _installed("libtpu"):
         kind = env.get("TPU_ACCELERATOR_TYPE", "").lower()
         chip = next((name for key, name in _ACCELERATOR_CHIPS if kind.startswith(key)), None)
-        return FLAG_ENV["tpu"], apply_recommended_flags("tpu", chip=chip, environ=env)
+        return FLAG_ENV["tpu"], apply_recommended_flags("tpu", chip=chip, fsdp=fsdp, environ=env)
     if _installed("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin"):
         return FLAG_ENV["gpu"], apply_recommended_flags("gpu", environ=env)
     return None
