@@ -279,7 +279,9 @@ class LinearProjections:
         if not self.split:
             y = lax.psum(y, TP)
             return y.astype(self.dtype) if self.o_bias is None else (y + self.o_bias[None, None]).astype(self.dtype)
-        y = lax.psum_scatter(y, TP, scatter_dimension=2, tiled=True)
+        # The barrier keeps the sum in y's dtype: without it the TPU compiler widens the chunks' bf16 sum to
+        # float32 before the reduce-scatter (the caller's residual add is float32), twice the bytes over tp.
+        y = lax.optimization_barrier(lax.psum_scatter(y, TP, scatter_dimension=2, tiled=True))
         if self.o_bias is not None:  # this rank's slice of it, once, after the sum
             n = y.shape[2]
             y = y + lax.dynamic_slice_in_dim(self.o_bias, lax.axis_index(TP) * n, n)[None, None]
