@@ -135,3 +135,20 @@ def test_a_bfloat16_residual_stream_is_what_the_scan_carries():
     with pytest.raises(ValueError, match=r"residual_dtype=float16 must be float32 or bfloat16"):
         llama.Llama(cfg, mesh=jax_cp.make_mesh(devices=jax.devices()[:1]), residual_dtype=jnp.float16,
                     rngs=nnx.Rngs(0))
+
+
+def test_the_scanned_step_sums_its_layer_outputs_over_tp_in_bfloat16():
+    """Scanned, FSDP, remat, two head chunks, v5p: every reduce-scatter over tp in the scan's body (the
+    attention's and the MLP's outputs, the residual stream split over tp) moves bfloat16 ``[B, S/cp, D]``.
+    The TPU compiler had widened the attention's two-chunk sum to float32 before its reduce-scatter (the
+    residual add after it is float32): twice the bytes; ``CPAttention`` now fences the sum's dtype."""
+    pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
+    from models import train
+
+    cfg = train.TrainConfig(model="tiny", seq_len=2048, batch=2, cp_colossal=2, cp_ulysses=2, tp=2, fsdp=True,
+                            remat=True, kv_exchange="auto", overlap_chunks=2, kernel="blockwise")
+    a = train.plan_train_step(cfg, "v5p:2x2x2")
+    rs = [c for c in a.schedule.collectives if c.axes == ("tp",) and c.kind == "reduce-scatter" and c.in_loop]
+    d_model = llama.get_config("tiny").d_model
+    assert len(rs) >= 4 and {c.bytes for c in rs} == {2 * cfg.batch * cfg.seq_len // 4 * d_model}, \
+        [(c.bytes, c.phase, c.op_name) for c in rs]
