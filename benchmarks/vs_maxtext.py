@@ -422,6 +422,18 @@ def main(argv=None) -> None:
         results[(side, "full")] = full
         results[(side, "by_layers")] = by_layers
     _print(a, chip, sides, results)
+    _write_summaries(a, results)
+
+
+def _write_summaries(a, results) -> None:
+    """``<side>-summary.json`` beside each side's programs: its figures at ``--full-layers`` and the run's
+    shape (what ``benchmarks/plot_vs_maxtext.py`` draws)."""
+    tag = f"{a.topology.replace(':', '_')}-S{a.seq_len}-B{a.batch}-d{a.head_dim}"
+    for (side, key), figures in results.items():
+        if key == "full":
+            Path(a.out, tag, f"{side}-summary.json").write_text(json.dumps({
+                "side": side, "topology": a.topology, "seq_len": a.seq_len, "batch": a.batch,
+                "layers": a.full_layers, "compiled_layers": a.layers, "figures": figures}, indent=1))
 
 
 def _program(a, chip, side: str, kind: str, cp_axes, layers: int) -> tuple[dict, object, dict, str]:

@@ -1,0 +1,35 @@
+"""``benchmarks/plot_vs_maxtext.py``: the summaries ``vs_maxtext.py`` writes, grouped into jax_cp (its lowest
+estimated step at each context), MaxText with its flags and with jax_cp's, then drawn."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import plot_vs_maxtext as plot  # noqa: E402
+
+
+def _summary(folder, side, S, step_s, peak=2**30, topology="v5p:4x4x4"):
+    folder.mkdir(parents=True, exist_ok=True)
+    figures = {"peak": peak, "exposed_s": 0.01, "step_s": step_s}
+    (folder / f"{side}-summary.json").write_text(json.dumps(
+        {"side": side, "topology": topology, "seq_len": S, "batch": 1, "layers": 32, "figures": figures}))
+
+
+def test_the_summaries_group_by_family_and_keep_jax_cps_fastest(tmp_path):
+    run = tmp_path / "runs"
+    _summary(run / "a", "jax_cp-fsdp-scan", 1024, 3.0)
+    _summary(run / "a", "jax_cp-fsdp-scan-ring", 1024, 2.0)  # the faster variant is jax_cp's point
+    _summary(run / "a", "maxtext-ring-full", 1024, 4.0)
+    _summary(run / "a", "maxtext-ring-full-jaxcpflags", 1024, 3.5)
+    _summary(run / "b", "jax_cp-fsdp-scan", 2048, 5.0, topology="v5e:4x4")  # another topology: left out
+    data = plot.collect([str(run)], "v5p:4x4x4")
+    assert {f: {S: fig["step_s"] for S, fig in pts.items()} for f, pts in data.items()} == {
+        "jax_cp": {1024: 2.0}, "MaxText, its flags": {1024: 4.0}, "MaxText, jax_cp's flags": {1024: 3.5}}
+    assert data["jax_cp"][1024]["side"] == "jax_cp-fsdp-scan-ring"
+    png = tmp_path / "out.png"
+    plot.main(["--runs", str(run), "--png", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="no \\*-summary.json for v6e:4x4"):
+        plot.main(["--runs", str(run), "--topology", "v6e:4x4", "--png", str(png)])
