@@ -67,11 +67,14 @@ def maxtext_overrides(a, layers: int) -> list[str]:
         f"compile_topology={MAXTEXT_TOPOLOGY[a.topology]}", "compile_topology_num_slices=1",
         "model_name=llama3.1-8b", "override_model_config=true", f"base_num_decoder_layers={layers}",
         f"max_target_length={a.seq_len}", f"per_device_batch_size={a.batch / devices}",
-        f"ici_context_parallelism={a.cp}", f"ici_tensor_parallelism={a.tp}", "ici_fsdp_parallelism=-1",
-        f"context_parallel_strategy={a.maxtext_cp_strategy}", "context_parallel_load_balance=true",
+        *([f"ici_context_parallelism={a.cp_colossal}", f"ici_context_usp_ulysses_parallelism={a.cp_ulysses}"]
+          if a.maxtext_cp_strategy == "usp" else [f"ici_context_parallelism={a.cp}"]),  # usp: jax_cp's 2-D split
+        f"ici_tensor_parallelism={a.tp}", "ici_fsdp_parallelism=-1",
+        f"context_parallel_strategy={a.maxtext_cp_strategy}",
+        f"context_parallel_load_balance={str(a.maxtext_cp_strategy != 'ulysses').lower()}",  # ulysses refuses it
         f"remat_policy={a.maxtext_remat}", "attention=flash", "dataset_type=synthetic",
         "enable_checkpointing=false",
-        *(["use_tokamax_splash=true"] if a.maxtext_cp_strategy == "ring" else []),  # its ring requires it
+        *(["use_tokamax_splash=true"] if a.maxtext_cp_strategy != "all_gather" else []),  # ring, ulysses, usp need it
         *a.maxtext_extra,
     ]
 
@@ -376,7 +379,8 @@ def main(argv=None) -> None:
                    help="jax_cp's residual stream (models.train --residual-dtype; MaxText's is bfloat16)")
     p.add_argument("--jax-cp-unrolled", action="store_true", help="jax_cp unrolls its blocks "
                    "(models.train --no-scan-layers; default: one lax.scan, as MaxText scans its layers)")
-    p.add_argument("--maxtext-cp-strategy", default="all_gather", choices=("all_gather", "ring"))
+    p.add_argument("--maxtext-cp-strategy", default="all_gather", choices=("all_gather", "ring", "ulysses", "usp"),
+                   help="MaxText's context parallelism (usp: --cp-colossal x --cp-ulysses, as jax_cp's hybrid)")
     p.add_argument("--maxtext-remat", default="full")
     p.add_argument("--maxtext-flags", default="default", choices=("default", "jax_cp"),
                    help="MaxText's compiler flags: its own (default) or, added to them, jax_cp's "
