@@ -32,7 +32,8 @@ def collect(runs: list[str], topology: str) -> dict[str, dict[int, dict]]:
         rec = json.loads(path.read_text())
         if rec["topology"] != topology:
             continue
-        fam, S, fig = family(rec["side"]), rec["seq_len"], dict(rec["figures"], side=rec["side"])
+        fam, S = family(rec["side"]), rec["seq_len"]
+        fig = dict(rec["figures"], side=rec["side"], layers=rec["layers"])
         if S not in out[fam] or fig["step_s"] < out[fam][S]["step_s"]:
             out[fam][S] = fig
     return out
@@ -73,7 +74,9 @@ def main(argv=None) -> None:
     step.set_ylabel("est. step / MaxText's (its flags)")
     step.axhline(0.95, color="grey", ls="--", lw=0.8)
     mem.legend(fontsize=8)
-    fig.suptitle(f"Llama 3.1 8B training step, {a.topology}, 32 layers compiled (benchmarks/vs_maxtext.py)", fontsize=10)
+    layers = sorted({f["layers"] for pts in data.values() for f in pts.values()})
+    fig.suptitle(f"Llama 3.1 8B training step, {a.topology}, {'/'.join(map(str, layers))} layers "
+                 "(benchmarks/vs_maxtext.py)", fontsize=10)
     fig.tight_layout()
     fig.savefig(a.png, dpi=110)
     print("wrote", a.png)

@@ -48,10 +48,10 @@ GiB = 2**30
 MAXTEXT_TOPOLOGY = {"v5p:4x4x4": "v5p-128", "v5p:2x2x2": "v5p-16", "tpu7x:4x4x4": "tpu7x-128",
                     "v6e:16x16": "v6e-256", "v5e:16x16": "v5e-256"}
 # Libtpu's environment for a compile-only process (jax_cp.plan sets the same: quiet, shared load).
-# The flags --maxtext-flags jax_cp adds to MaxText's compile (its own config's compile_xla_flags kept).
-MAXTEXT_FLAGS_ENV = "VS_MAXTEXT_XLA_FLAGS"
 QUIET_ENV = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
              "JAX_PLATFORMS": "cpu"}
+# The flags --maxtext-flags jax_cp adds to MaxText's compile (its own config's compile_xla_flags kept).
+MAXTEXT_FLAGS_ENV = "VS_MAXTEXT_XLA_FLAGS"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -429,13 +429,17 @@ def main(argv=None) -> None:
     _write_summaries(a, results)
 
 
+def _tag(a) -> str:
+    """The folder under ``--out`` of one topology, context, batch and head size."""
+    return f"{a.topology.replace(':', '_')}-S{a.seq_len}-B{a.batch}-d{a.head_dim}"
+
+
 def _write_summaries(a, results) -> None:
     """``<side>-summary.json`` beside each side's programs: its figures at ``--full-layers`` and the run's
     shape (what ``benchmarks/plot_vs_maxtext.py`` draws)."""
-    tag = f"{a.topology.replace(':', '_')}-S{a.seq_len}-B{a.batch}-d{a.head_dim}"
     for (side, key), figures in results.items():
         if key == "full":
-            Path(a.out, tag, f"{side}-summary.json").write_text(json.dumps({
+            Path(a.out, _tag(a), f"{side}-summary.json").write_text(json.dumps({
                 "side": side, "topology": a.topology, "seq_len": a.seq_len, "batch": a.batch,
                 "layers": a.full_layers, "compiled_layers": a.layers, "figures": figures}, indent=1))
 
@@ -443,8 +447,7 @@ def _write_summaries(a, results) -> None:
 def _program(a, chip, side: str, kind: str, cp_axes, layers: int) -> tuple[dict, object, dict, str]:
     """``(figures, analysis, extra, path)`` of ``side``'s step with ``layers`` layers at ``--seq-len``,
     compiled unless ``--out`` holds it (or ``--force``)."""
-    tag = f"{a.topology.replace(':', '_')}-S{a.seq_len}-B{a.batch}-d{a.head_dim}"
-    path = os.path.join(a.out, tag, f"{side}-L{layers}")
+    path = os.path.join(a.out, _tag(a), f"{side}-L{layers}")
     if a.force or not Path(path, "memory.json").exists():
         os.makedirs(path, exist_ok=True)
         t0 = time.perf_counter()

@@ -711,7 +711,7 @@ def plan_train_step(cfg: TrainConfig, topology: str | None = None, *, memory_bud
     with jax.set_mesh(mesh):  # the state is donated, as train's step does: the peak counts it once
         a = plan.analyze_program(_train_step_fn(graphdef), (state, batch), topology=topology, mesh=mesh,
                                  label=f"train step {cfg.model_name}", memory_budget=memory_budget,
-                                 xla_flags=xla_flags or xla_flags_for(cfg, plan.chip_for(topology).name),
+                                 xla_flags=xla_flags_for(cfg, plan.chip_for(topology).name) if xla_flags is None else xla_flags,
                                  donate_argnums=0)
     if not a.kernel_calls:  # no splash: the compiler counted every FLOP
         return a

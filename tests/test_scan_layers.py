@@ -140,8 +140,8 @@ def test_a_bfloat16_residual_stream_is_what_the_scan_carries():
 def test_the_scanned_step_sums_its_layer_outputs_over_tp_in_bfloat16():
     """Scanned, FSDP, remat, two head chunks, v5p: every reduce-scatter over tp in the scan's body (the
     attention's and the MLP's outputs, the residual stream split over tp) moves bfloat16 ``[B, S/cp, D]``.
-    The TPU compiler had widened the attention's two-chunk sum to float32 before its reduce-scatter (the
-    residual add after it is float32): twice the bytes; ``CPAttention`` now fences the sum's dtype."""
+    Unfenced, the TPU compiler widens the attention's two-chunk sum to float32 before its reduce-scatter (the
+    residual add after it is float32): twice the bytes; ``CPAttention`` fences the sum's dtype."""
     pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
     from models import train
 

@@ -92,8 +92,8 @@ def recommended_xla_flags(platform: str = "tpu", *, chip: str | None = None, fsd
     features that hide all-to-alls there and SparseCore offload of all-gather and
     all-reduce (the training step's gradient sums; ``chip=None``: the flags safe
     on every generation), and with ``fsdp`` also of reduce-scatter and two-axis
-    all-gather (an FSDP step's weight gathers and gradient reduce-scatters). On GPU they enable that scheduler and pipelining of
-    collectives across layers. All names were checked against jaxlib 0.10.2 /
+    all-gather (an FSDP step's weight gathers and gradient reduce-scatters). On
+    GPU they enable that scheduler and pipelining of collectives across layers. All names were checked against jaxlib 0.10.2 /
     libtpu 0.0.52; unknown flags make XLA abort at start-up.
 
     Args:
