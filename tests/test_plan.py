@@ -116,6 +116,15 @@ def test_parser_on_hand_written_hlo():
     assert s.time_covered("fwd", flops_per_s=1e9, bytes_per_s=1e6) == pytest.approx(4096 / 1e9 / 128e-6)
     assert s.time_covered("fwd", flops_per_s=1e9, bytes_per_s=1e12) == 1.0  # a short enough transfer is covered
     assert s.time_covered("bwd", flops_per_s=1e9, bytes_per_s=1e12) == 0.0  # nothing inside the backward one
+    # HBM bytes inside: fusion.1 reads x and w and writes its result (256 + 512 + 256); the collective
+    # fusion's continuation reads what it uses (its unused operand not at all) and writes its tuple.
+    assert (a2a.bytes_inside, ag.bytes_inside, a2a_bwd.bytes_inside) == (1024, 128 + 256 + 512 + 640, 0)
+    # With an HBM rate, the ops inside take their roofline: the larger of FLOP time and byte time.
+    assert s.time_covered("fwd", flops_per_s=1e9, bytes_per_s=1e6, hbm_bytes_per_s=1e8) == pytest.approx(
+        (1024 + 1536) / 1e8 / 2 / 128e-6)  # 10.2 and 15.4 us of HBM time, above the matmuls' 4.1 us
+    assert s.time_covered("fwd", flops_per_s=1e9, bytes_per_s=1e6, hbm_bytes_per_s=1e12) == pytest.approx(
+        4096 / 1e9 / 128e-6)  # fast HBM: the FLOPs bound it again
+    assert s.time_covered("bwd", flops_per_s=1e9, bytes_per_s=1e6, hbm_bytes_per_s=1e3) == 0.0  # not overlapped
     # Overlap fraction = overlapped bytes / all CP bytes, per phase.
     assert s.overlap_fraction("fwd") == 1.0
     assert s.overlap_fraction("bwd") == 0.0
@@ -640,6 +649,25 @@ def test_all_to_all_exchange_is_all_async_on_tpu():
     assert {(c.kind, c.axes) for c in cp} == {("all-to-all", both), ("all-to-all", ("cp_ulysses",))}
     assert all(c.is_async for c in cp)
     assert {c.phase for c in cp if c.axes == both} == {"fwd", "bwd"}
+
+
+def test_linear_state_exchange_is_hidden_on_tpu():
+    """A gated delta layer over cp_colossal = 8 (forward + backward, S = 8K): its one state exchange each
+    way is an asynchronous all-to-all of ``c`` copies of each rank's slot (``Phi`` and ``S``, float32 per
+    head), and the chunk work scheduled inside covers its whole transfer time at its roofline."""
+    mesh = plan.topology_mesh(TOPO, cp_colossal=8)
+    seq = NamedSharding(mesh, P("dp", ("cp_colossal", "cp_ulysses")))
+    H, d = 2, 64
+    layer = lambda *a: jax_cp.linear.gated_delta_rule(*a, mesh=mesh, chunk_size=64)  # noqa: E731
+    step = jax.grad(lambda *a: jnp.sum(layer(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2, 3, 4))
+    args = [jax.ShapeDtypeStruct((1, 8192, H, d), jnp.bfloat16, sharding=seq) for _ in range(3)]
+    args += [jax.ShapeDtypeStruct((1, 8192, H), jnp.float32, sharding=seq)] * 2
+    a = plan.analyze_program(step, args, topology=TOPO, mesh=mesh)
+    cp = a.schedule.select()
+    assert [(c.phase, c.kind, c.axes, c.bytes) for c in cp] == [
+        (ph, "all-to-all", ("cp_colossal",), 8 * H * (d * d + d * d) * 4) for ph in ("fwd", "bwd")]
+    assert all(c.is_async and c.overlapped for c in cp)
+    assert a.covered("fwd") >= 0.9 and a.covered("bwd") >= 0.9, a.time_covered
 
 
 def test_v5p_compiles_default_positions():

@@ -70,6 +70,8 @@ class Collective:
         in_loop: scheduled in a loop body: bytes are per iteration.
         iterations: how often it runs: the trip counts of the loops around it (1 when not readable).
         flops_inside: FLOPs of the matmuls between start and done; ``None``: a kernel is among them.
+        bytes_inside: HBM bytes the ops between start and done read and write (``instr_bytes``; loop
+            bodies once per trip; other async starts, which move data on their own engines, left out).
     """
 
     name: str
@@ -85,6 +87,7 @@ class Collective:
     in_loop: bool = False  # scheduled in a loop body: bytes are per iteration
     iterations: int = 1  # how often it runs: the trip counts of the loops around it (1 when not readable)
     flops_inside: float | None = 0.0  # FLOPs of the matmuls between start and done; None: a kernel is among them
+    bytes_inside: float = 0.0  # HBM bytes of the ops between start and done (loop bodies per trip)
 
     def __post_init__(self):
         if self.kind not in COLLECTIVE_KINDS:
@@ -148,10 +151,13 @@ class Schedule:
         return {c.kind for c in self.select(cp_only=cp_only)}
 
     def time_covered(self, phase: str | None = None, *, flops_per_s: float, bytes_per_s: float,
-                     cp_only: bool = True) -> float | None:
+                     hbm_bytes_per_s: float | None = None, cp_only: bool = True) -> float | None:
         """Share of the selected collectives' estimated transfer time (wire bytes / ``bytes_per_s``)
-        that the compute scheduled inside them covers (its FLOPs / ``flops_per_s``; a Pallas kernel
-        inside, whose FLOPs the HLO does not state, counts as covering all). ``None``: no transfer."""
+        that the compute scheduled inside them covers. The ops inside take at least
+        ``max(FLOPs / flops_per_s, HBM bytes / hbm_bytes_per_s)`` (their roofline; the FLOPs alone
+        where ``hbm_bytes_per_s`` is ``None``); a Pallas kernel inside, whose FLOPs the HLO does not
+        state, counts as covering all. Only overlapped collectives (a matmul inside) are covered.
+        ``None``: no transfer."""
         sel = [c for c in self.select(phase, cp_only=cp_only) if c.wire_bytes > 0]
         total = sum(c.wire_bytes * c.iterations / bytes_per_s for c in sel)
         if not total:
@@ -159,8 +165,15 @@ class Schedule:
         covered = 0.0
         for c in sel:
             t = c.wire_bytes * c.iterations / bytes_per_s
-            if c.overlapped:
-                covered += t if c.flops_inside is None else min(t, c.flops_inside * c.iterations / flops_per_s)
+            if not c.overlapped:
+                continue
+            if c.flops_inside is None:
+                covered += t
+                continue
+            inside = c.flops_inside / flops_per_s
+            if hbm_bytes_per_s:
+                inside = max(inside, c.bytes_inside / hbm_bytes_per_s)
+            covered += min(t, inside * c.iterations)
         return min(1.0, covered / total)  # summed in another order than total: may round above 1
 
 
@@ -570,7 +583,8 @@ def _collectives_of(mod, comp, mesh_shape, axis_names) -> list[Collective]:
             end = done_at.get(i.name, len(instrs))
             inside = tuple(instrs[k].name for k in range(open_at[i.name] + 1, end) if is_compute[k])
             c = _describe(mod, comp, i, names, instrs, end, inside, True, mesh_shape, axis_names)
-            c = dataclasses.replace(c, flops_inside=_sum_flops(mod, comp, [names[n] for n in inside]))
+            c = dataclasses.replace(c, flops_inside=_sum_flops(mod, comp, [names[n] for n in inside]),
+                                    bytes_inside=_window_bytes(mod, comp, instrs[open_at[i.name] + 1:end]))
             result = instrs[end].name if end < len(instrs) else i.name
         elif role == "sync":
             c = _describe(mod, comp, i, names, instrs, pos, (), False, mesh_shape, axis_names)
@@ -579,6 +593,23 @@ def _collectives_of(mod, comp, mesh_shape, axis_names) -> list[Collective]:
             continue
         out.append(dataclasses.replace(c, feeds_compute=feeds.get(result, False)))
     return out
+
+
+def _window_bytes(mod, comp: str, window) -> float:
+    """HBM bytes the instructions of ``window`` read and write on the core: ``instr_bytes`` each, a loop's
+    bodies once per trip; async starts (copies, other collectives: their own engines), dones and
+    synchronous collectives left out (a TPU collective fusion's continuation, which holds a matmul, counts)."""
+    trips, total = mod.iterations(), 0.0
+    for i in window:
+        if i.opcode.endswith("-start") or i.opcode in ("async-start", "async-update") or \
+                _classify(mod, i) in ("start", "done", "sync"):
+            continue
+        if i.opcode == "while":
+            total += sum(instr_bytes(mod, body, j) * (trips.get(body, 1) or 1)
+                         for body in i.called for j in mod.comps.get(body, ()))
+        else:
+            total += instr_bytes(mod, comp, i)
+    return total
 
 
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")

@@ -174,8 +174,8 @@ def analysis_of(label: str, compiled, schedule: Schedule, chip: Chip, budget: in
         compute_s=flops / chip.device_flops, memory_s=accessed / chip.device_hbm_bandwidth,
         comm_s=sum(comm), exposed_comm_s=sum(exposed),
     )
-    covered = tuple(schedule.time_covered(ph, flops_per_s=chip.device_flops, bytes_per_s=chip.device_ici_bandwidth)
-                    for ph in ("fwd", "bwd", None))
+    covered = tuple(schedule.time_covered(ph, flops_per_s=chip.device_flops, bytes_per_s=chip.device_ici_bandwidth,
+                                          hbm_bytes_per_s=chip.device_hbm_bandwidth) for ph in ("fwd", "bwd", None))
     return Analysis(label=label, memory=memory, flops=flops, bytes_accessed=accessed, schedule=schedule,
                     estimate=estimate, compile_s=compile_s, time_covered=covered)
 
@@ -355,8 +355,9 @@ def format_programs(programs: list[Analysis], grouped: bool = False) -> str:
 _FOOTER = ["", "Times are estimates from published per-chip peaks (bf16 FLOP/s, HBM and ICI bandwidth),",
            "not measurements. A collective counts as overlapped when a matmul/convolution is scheduled",
            "between its start and done; fwd/bwd come from JAX's op names (transpose(...) = backward).",
-           "Transfer time covered: per CP collective, min(1, FLOPs of the matmuls inside / peak over its",
-           "wire bytes / ICI bandwidth), weighted by transfer time (a Pallas kernel inside counts as covering)."]
+           "Transfer time covered: per overlapped CP collective, min(1, the ops inside at their roofline,",
+           "max(FLOPs / peak, HBM bytes / bandwidth), over its wire bytes / ICI bandwidth), weighted by",
+           "transfer time (a Pallas kernel inside counts as covering)."]
 
 
 def _listed_collectives(a: Analysis) -> list[str]:
