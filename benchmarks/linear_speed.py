@@ -95,10 +95,11 @@ def packed_rows(rows: int, S: int, *, seed: int = 0, shortest: int = 1024, longe
     return pos, seg
 
 
-def order_metadata(order: str, mesh, B: int, S: int, *, seed: int = 0):
+def order_metadata(order: str, mesh, B: int, S: int, *, seed: int = 0, chunks_per_rank: int = 8):
     """``(positions, segment_ids)`` ``[B, S]`` int32 NumPy of the tokens as the layer receives them in
     ``order``: ``natural`` (one document), ``dual-chunk`` (one document, ``load_balance.positions``) or
-    ``dispatch`` (:func:`packed_rows`, each dp shard's rows ordered by ``load_balance.plan``)."""
+    ``dispatch`` (:func:`packed_rows`, each dp shard's rows ordered by ``load_balance.plan`` with
+    ``chunks_per_rank``)."""
     if order == "natural":
         return np.broadcast_to(np.arange(S, dtype=np.int32), (B, S)).copy(), np.zeros((B, S), np.int32)
     if order == "dual-chunk":
@@ -106,7 +107,7 @@ def order_metadata(order: str, mesh, B: int, S: int, *, seed: int = 0):
         return np.broadcast_to(pos, (B, S)).copy(), np.zeros((B, S), np.int32)
     if order == "dispatch":
         pos, seg = packed_rows(B, S, seed=seed)
-        plan = load_balance.plan(seg, mesh, positions=pos)
+        plan = load_balance.plan(seg, mesh, positions=pos, chunks_per_rank=chunks_per_rank)
         (seg,), pos = plan.reorder((seg,))
         return np.asarray(pos, np.int32), np.asarray(seg, np.int32)
     raise ValueError(f"order={order!r} must be one of {ORDERS}.")
@@ -127,7 +128,7 @@ def tpu(args) -> None:
           f"H={args.heads} dk={args.dk} dv={args.dv} chunk={args.chunk} max_pieces={args.pieces}, bf16 in")
     if "dispatch" in args.orders:
         print(f"# dispatch: rows packed with documents of log-uniform lengths in [1K, 64K] tokens (seed {args.seed}, "
-              f"the last cut at the row's end), ordered by load_balance.plan")
+              f"the last cut at the row's end), ordered by load_balance.plan (chunks_per_rank={args.chunks_per_rank})")
     print(f"# K/V: a softmax layer's all-gathered bf16 K/V per device = B/dp * S * kv_heads * (dk + dv) * 2 "
           f"(kv_heads={args.kv_heads})")
     print(f"{'order':>10} {'S':>7} {'phase':>5} {'collective':>14} {'axes':>12} {'bytes/device':>13} {'async':>6} "
@@ -137,7 +138,7 @@ def tpu(args) -> None:
     seq = jax.sharding.NamedSharding(mesh, jax.P("dp", ("cp_colossal", "cp_ulysses")))
     for order in args.orders:
         for S in args.seqs:
-            pos, seg = order_metadata(order, mesh, B, S, seed=args.seed)
+            pos, seg = order_metadata(order, mesh, B, S, seed=args.seed, chunks_per_rank=args.chunks_per_rank)
             need = linear.needed_pieces(pos, seg, dims.c)
             slots = args.pieces or linear.sized_pieces(need, S // dims.c)  # as the layer sizes them
             docs = max(len(np.unique(r[r >= 0])) for r in seg)
@@ -177,6 +178,7 @@ def main() -> None:
     p.add_argument("--orders", nargs="+", choices=ORDERS, default=["natural"],
                    help="token orders (--tpu): natural, dual-chunk, dispatch (packed rows, load_balance.plan)")
     p.add_argument("--seed", type=int, default=0, help="the dispatch order's document lengths")
+    p.add_argument("--chunks-per-rank", type=int, default=8, help="the dispatch plan's chunks per colossal rank")
     p.add_argument("--kv-heads", type=int, default=8, help="the softmax layer whose K/V bytes are compared")
     args = p.parse_args()
     tpu(args) if args.tpu else speed(args)

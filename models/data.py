@@ -222,8 +222,10 @@ def make_global_batch(windows: Windows, step: int, batch: int, sharding, *, orde
     return place(windows.rows(step, batch, rows), sharding, batch, order=order)
 
 
-def plan_rows(local: dict[str, np.ndarray], mesh, rows: np.ndarray, batch: int) -> list[load_balance.Dispatch]:
-    """Dispatch plans of this process's rows ``rows`` of a global batch, one per dp shard, in row order.
+def plan_rows(local: dict[str, np.ndarray], mesh, rows: np.ndarray, batch: int, *,
+              chunks_per_rank: int | None = None) -> list[load_balance.Dispatch]:
+    """Dispatch plans of this process's rows ``rows`` of a global batch, one per dp shard, in row order
+    (``chunks_per_rank``: ``load_balance.plan``'s, ``None`` for its default).
 
     ``local`` holds the rows' natural ``segment_ids`` and ``positions`` (every column). A process
     holds whole dp shards, and each shard is planned on its own: its order depends on its rows only,
@@ -239,7 +241,8 @@ def plan_rows(local: dict[str, np.ndarray], mesh, rows: np.ndarray, batch: int) 
                          f"dp={dims.dp}); shard the batch axis over dp.")
     one_shard = dataclasses.replace(dims, dp=1)
     span = local.get("span_ids")  # a prefix-LM batch: the plan balances the pairs its spans add
+    chunks = {} if chunks_per_rank is None else {"chunks_per_rank": chunks_per_rank}
     return [load_balance.plan(local["segment_ids"][r : r + per_shard], one_shard,
                               positions=local["positions"][r : r + per_shard],
-                              span_ids=None if span is None else span[r : r + per_shard])
+                              span_ids=None if span is None else span[r : r + per_shard], **chunks)
             for r in range(0, len(rows), per_shard)]

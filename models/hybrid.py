@@ -43,6 +43,10 @@ class HybridConfig(LlamaConfig):
     linear_conv_kernel_dim: int = 4
     linear_chunk_size: int = 64
     linear_max_pieces: int | None = None  # GatedDeltaNetSpec.max_pieces; None: models.train sizes each batch
+    # The dispatch plan's chunks per colossal rank (load_balance.plan's chunks_per_rank) under --balance dispatch:
+    # each chunk continuing a document elsewhere is a state slot of every linear layer, so 4 (not the plan's 8)
+    # halves their state bytes; the attention layers' balance stays within 1.02 (benchmarks/RESULTS.md).
+    dispatch_chunks: int = 4
 
     def __post_init__(self):
         super().__post_init__()

@@ -115,6 +115,7 @@ class TrainConfig:
     init_from: str | None = None  # a Hugging Face checkpoint folder: its model, weights and tokenizer (models.hf)
     rope_scaling: str | None = None  # with init_from: linear:F or llama3:F stretches its RoPE for F times the context
     linear_pieces: int | None = None  # hybrid models: fixed state slots a linear layer holds (None: each batch's need)
+    dispatch_chunks: int | None = None  # --balance dispatch: chunks per colossal rank (None: the model's, else the plan's 8)
 
     def __post_init__(self):
         from models import hybrid, llama
@@ -129,6 +130,10 @@ class TrainConfig:
         for name in ("warmup", "checkpoint_every", "eval_every", "eval_batches", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 0.")
+        if self.dispatch_chunks is not None and (not isinstance(self.dispatch_chunks, int) or self.dispatch_chunks < 2
+                                                 or self.dispatch_chunks % 2):
+            raise ValueError(f"--dispatch-chunks={self.dispatch_chunks} must be an even integer >= 2 (a rank's chunks "
+                             "include the two halves of the dual-chunk order).")
         if self.warmup >= self.steps:
             raise ValueError(f"--warmup={self.warmup} must be smaller than --steps={self.steps}.")
         if not self.lr > 0:
@@ -255,6 +260,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="hybrid models: state slots per CP rank of every linear layer, fixed (default: each batch's "
                         "need, counted on the host and rounded up to a power of two: one program per value; "
                         "--plan: the layer's default, min(S/cp_colossal, 16))")
+    g.add_argument("--dispatch-chunks", type=int, default=d.dispatch_chunks,
+                   help="--balance dispatch: chunks per CP colossal rank of each batch's plan (an even number; default: "
+                        "4 for hybrid models, whose linear layers pass one state per chunk, else the plan's 8)")
     g.add_argument("--logits-soft-cap", type=float, default=d.logits_soft_cap,
                    help="cap every attention logit to c*tanh(logits/c) (Gemma 2 style)")
     g.add_argument("--use-sinks", action="store_true", help="a learned sink logit per query head (GPT-OSS style)")
@@ -347,6 +355,7 @@ class Setup:
     prefix_lm: float | None = None  # the prefix-LM share of each document (TrainConfig.prefix_lm), or None
     per_batch_exchange: bool = False  # each step takes its batch's plan's K/V exchange (global_batch's "kv_exchange")
     exchange_note: str = ""  # the K/V exchange the steps run, in the log's words
+    dispatch_chunks: int | None = None  # chunks per colossal rank of each dispatch plan (None: the plan's default)
 
 
 def _exchange_policy(cfg: TrainConfig, balance: str | None) -> tuple[bool, str]:
@@ -383,8 +392,9 @@ def setup(cfg: TrainConfig, devices=None) -> Setup:
     dual_chunk = None
     if dims.c > 1 and cfg.seq_len % (2 * dims.c) == 0:
         dual_chunk = np.asarray(load_balance.positions(cfg.seq_len, mesh))  # natural index of each balanced slot
+    chunks = cfg.dispatch_chunks or getattr(model_config(cfg), "dispatch_chunks", None)
     return Setup(mesh, train_windows, eval_windows, balance, dual_chunk, NamedSharding(mesh, Sharding().tokens_BS),
-                 cfg.prefix_lm, *_exchange_policy(cfg, balance))
+                 cfg.prefix_lm, *_exchange_policy(cfg, balance), dispatch_chunks=chunks)
 
 
 def global_batch(s: Setup, windows: data_lib.Windows, step: int, batch: int) -> tuple[dict, dict]:
@@ -409,7 +419,7 @@ def global_batch(s: Setup, windows: data_lib.Windows, step: int, batch: int) -> 
                                                   span_ids=local.get("span_ids")).imbalance()
     exchange = None
     if s.balance == "dispatch":
-        plans = data_lib.plan_rows(local, s.mesh, rows, batch)  # one per dp shard
+        plans = data_lib.plan_rows(local, s.mesh, rows, batch, chunks_per_rank=s.dispatch_chunks)  # one per dp shard
         order, used = np.concatenate([d.perm for d in plans]), max(d.imbalance() for d in plans)
         exchange = _planned_exchange(plans) if s.per_batch_exchange else None
     else:

@@ -307,6 +307,36 @@ def test_global_batch_in_the_dispatch_order_of_each_row(short_docs, monkeypatch)
         data_lib.plan_rows(windows.rows(5, B, np.array([1, 2])), mesh, np.array([1, 2]), B)
 
 
+def test_dispatch_chunks_reach_each_batch_plan(short_docs, tmp_path):
+    """``--dispatch-chunks`` (hybrid models: 4 by default, whose linear layers pass a state per chunk that
+    continues a document elsewhere; else the plan's 8) sets the chunks per colossal rank of each batch's
+    plan: the batch comes in that plan's order. An odd or too small value is refused."""
+    windows = _short_windows(short_docs)
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, dp=2, axis_types=AxisType.Auto)
+    sharding = NamedSharding(mesh, P("dp", ("cp_colossal", "cp_ulysses")))
+    B, S = 4, 32
+    natural = windows.rows(5, B, np.arange(B))
+    dual = np.asarray(jax_cp.load_balance.positions(S, mesh))
+    for chunks in (4, 8):
+        plans = data_lib.plan_rows(natural, mesh, np.arange(B), B, chunks_per_rank=chunks)
+        assert [d.chunks.shape for d in plans] == [(2, 2 * chunks)] * 2  # c = 2 ranks of `chunks` each
+        want = [d.reorder({k: natural[k][2 * i : 2 * i + 2] for k in natural})[0] for i, d in enumerate(plans)]
+        setup = train.Setup(mesh, windows, windows, "dispatch", dual, sharding, dispatch_chunks=chunks)
+        got, _ = train.global_batch(setup, windows, 5, B)
+        for k in data_lib.FIELDS:
+            np.testing.assert_array_equal(np.asarray(got[k]), np.concatenate([w[k] for w in want]), err_msg=k)
+    assert not np.array_equal(*(np.concatenate([d.perm for d in data_lib.plan_rows(natural, mesh, np.arange(B), B,
+                                                                                    chunks_per_rank=n)])
+                                for n in (4, 8))), "4 and 8 chunks a rank should order these rows differently"
+    run = dict(cp_colossal=2, cp_ulysses=2, tp=2, seq_len=S, data=str(short_docs), out=str(tmp_path))
+    assert train.setup(train.TrainConfig(model="hybrid-tiny", **run)).dispatch_chunks == 4
+    assert train.setup(train.TrainConfig(model="hybrid-tiny", dispatch_chunks=8, **run)).dispatch_chunks == 8
+    assert train.setup(train.TrainConfig(model="tiny", **run)).dispatch_chunks is None  # the plan's own 8
+    for bad in (3, 0):
+        with pytest.raises(ValueError, match=rf"--dispatch-chunks={bad} must be an even integer >= 2"):
+            train.TrainConfig(model="hybrid-tiny", dispatch_chunks=bad, **run)
+
+
 # ----------------------------------------------------------------------------- training
 
 
