@@ -375,8 +375,9 @@ def main(argv=None) -> None:
                         "(--fsdp; default: the trainer's --fsdp auto, which does so for the 8B)")
     p.add_argument("--jax-cp-kv-exchange", default="auto", help="jax_cp's K/V exchange (auto, all_gather, "
                    "all_to_all, ring)")
-    p.add_argument("--jax-cp-residual-dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="jax_cp's residual stream (models.train --residual-dtype; MaxText's is bfloat16)")
+    p.add_argument("--jax-cp-residual-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="jax_cp's residual stream (models.train --residual-dtype: auto, the compute dtype, is "
+                        "bfloat16 here, as MaxText's)")
     p.add_argument("--jax-cp-unrolled", action="store_true", help="jax_cp unrolls its blocks "
                    "(models.train --no-scan-layers; default: one lax.scan, as MaxText scans its layers)")
     p.add_argument("--maxtext-cp-strategy", default="all_gather", choices=("all_gather", "ring", "ulysses", "usp"),
@@ -406,7 +407,7 @@ def main(argv=None) -> None:
     chip = plan.chip_for(a.topology)
     sides = {
         "jax_cp" + ("-fsdp" if a.jax_cp_fsdp else "") + ("-unrolled" if a.jax_cp_unrolled else "-scan")
-        + ("-bf16res" if a.jax_cp_residual_dtype == "bfloat16" else "")
+        + ("-f32res" if a.jax_cp_residual_dtype == "float32" else "")
         + ("" if a.jax_cp_kv_exchange == "auto" else f"-{a.jax_cp_kv_exchange}"): ("jax_cp", ("cp_colossal", "cp_ulysses")),
         f"maxtext-{a.maxtext_cp_strategy}-{a.maxtext_remat}" + ("-jaxcpflags" if a.maxtext_flags == "jax_cp" else ""):
             ("maxtext", ("context",)),

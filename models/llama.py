@@ -127,6 +127,7 @@ def param_count(cfg: LlamaConfig) -> int:
     return cfg.vocab_size * D + cfg.num_layers * block + D + head
 
 
+TP_CHUNKS = 2  # a block's tp all-gathers and reduce-scatters run in this many token pieces each (MLP)
 FSDP_AXES = (DP, *CP)  # the axes a parameter is replicated over in compute: FSDP may store it sharded there
 
 
@@ -226,18 +227,35 @@ def attention_sharding(spec: jax_cp.AttentionSpec, mesh, sharding: Sharding) -> 
 
 def _lookup(embed: nnx.Param):
     """The embedding rows of a block of tokens, inside ``shard_map`` (float32): each tp rank looks up the
-    tokens in its slice of the vocabulary, zeros elsewhere, summed over tp; FSDP: the table's block gathered
-    here, so its gradient (a scatter-add of this device's tokens) is reduce-scattered."""
+    tokens in its slice of the vocabulary, zeros elsewhere, summed over tp. FSDP stores the table split
+    along D: the tokens of the FSDP group are all-gathered (ints), each device takes its columns of their
+    rows, and one all-to-all returns every device its own tokens' rows, so the table is never gathered
+    (at tp = 1 a float32 [V, D]) and its gradient stays in its stored layout."""
 
-    def lookup(tokens, block):
-        table = _unsharded(block, embed, jnp.float32)
+    def rows_of(table, tokens):
         rows = table.shape[0]
         local = tokens - jax.lax.axis_index(TP) * rows
         inside = (local >= 0) & (local < rows)
-        x = jnp.where(inside[..., None], jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0), 0.0)
-        return jax.lax.psum(x, TP)
+        return jnp.where(inside[..., None], jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0), 0.0)
 
-    return lookup
+    def lookup(tokens, block):
+        return jax.lax.psum(rows_of(_unsharded(block, embed, jnp.float32), tokens), TP)
+
+    axes = _stored(embed)[1] if len(_stored(embed)) > 1 else None
+    if axes is None:
+        return lookup
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+
+    def lookup_d_sharded(tokens, block):
+        # FSDP stores the table split along D over `axes`: rather than gathering the whole table, every
+        # device of the group looks up the group's tokens in its own columns, and one all-to-all hands each
+        # device its tokens' rows. The gradient is this device's columns' scatter-add: no reduce-scatter.
+        group = jax.lax.all_gather(tokens, axes)  # [n, B', S'] every device's tokens, in the group's order
+        cols = jax.lax.psum(rows_of(block, group), TP)  # [n, B', S', D/n]
+        cols = jax.lax.all_to_all(cols, axes, 0, 0)  # [n, B', S', D/n]: my tokens, column block i from device i
+        return jnp.moveaxis(cols, 0, -2).reshape(*tokens.shape, -1)
+
+    return lookup_d_sharded
 
 
 class RMSNorm(nnx.Module):
@@ -270,11 +288,19 @@ class MLP(nnx.Module):
         scatter = sh.residual_BSD[2] == TP
 
         def mlp(x, w_gate, w_up, w_down):  # x: the normed input, split like the residual stream
-            x = jax.lax.all_gather(x, TP, axis=2, tiled=True) if scatter else x  # its transpose: a reduce-scatter
             w_gate, w_up, w_down = (_unsharded(b, p, dt) for b, p in zip((w_gate, w_up, w_down), params))
-            h = ACTIVATIONS[self.activation](jnp.einsum("bsd,df->bsf", x, w_gate)) * jnp.einsum("bsd,df->bsf", x, w_up)
-            y = jnp.einsum("bsf,fd->bsd", h, w_down)
-            return jax.lax.psum_scatter(y, TP, scatter_dimension=2, tiled=True) if scatter else jax.lax.psum(y, TP)
+
+            def tokens(x):
+                x = jax.lax.all_gather(x, TP, axis=2, tiled=True) if scatter else x  # transpose: a reduce-scatter
+                h = ACTIVATIONS[self.activation](jnp.einsum("bsd,df->bsf", x, w_gate)) * jnp.einsum(
+                    "bsd,df->bsf", x, w_up)
+                y = jnp.einsum("bsf,fd->bsd", h, w_down)
+                return jax.lax.psum_scatter(y, TP, scatter_dimension=2, tiled=True) if scatter else jax.lax.psum(y, TP)
+
+            # Over tp, the tokens in TP_CHUNKS pieces: one piece's all-gather runs under another's matmuls,
+            # and its reduce-scatter under the next's (forward and backward alike).
+            n = TP_CHUNKS if scatter and x.shape[1] % TP_CHUNKS == 0 else 1
+            return tokens(x) if n == 1 else jnp.concatenate([tokens(c) for c in jnp.split(x, n, axis=1)], axis=1)
 
         return _shard_mapped(mlp, self.mesh, x_BSD.astype(dt), sh.residual_BSD, params, sh.residual_BSD)
 
@@ -403,10 +429,18 @@ class Llama(nnx.Module):
         ``[B, S, V]`` logits: ``fused_cross_entropy`` per chunk of tokens, recomputed in the backward."""
         sh, cfg = self.sharding, self.cfg
 
+        stored = _stored(self.head_weight)
+        d_axes = _axes_of(stored, 1 if cfg.tie_embeddings else 0)  # FSDP along D: gather the vocabulary by chunks
+
         def nll(h, labels, weights, w):
-            w = _unsharded(w, self.head_weight, self.dtype)
-            w_DV = w.T if cfg.tie_embeddings else w
-            local = fused_cross_entropy(h, w_DV, labels, weights, cap=cfg.final_logits_soft_cap)
+            if d_axes:
+                w_DV = w.T if cfg.tie_embeddings else w  # this device's [D/n, V/tp] block
+                local = fused_cross_entropy(h, w_DV, labels, weights, cap=cfg.final_logits_soft_cap,
+                                            gather_axes=d_axes)
+            else:
+                w = _unsharded(w, self.head_weight, self.dtype)
+                w_DV = w.T if cfg.tie_embeddings else w
+                local = fused_cross_entropy(h, w_DV, labels, weights, cap=cfg.final_logits_soft_cap)
             return jax.lax.psum(local, (DP, *CP))
 
         specs = (sh.x_BSD, sh.tokens_BS, sh.tokens_BS, _stored(self.head_weight))
@@ -504,7 +538,7 @@ LOSS_CHUNK_BYTES = 128 * 2**20  # fused_cross_entropy: the float32 logits of one
 
 
 def fused_cross_entropy(h_BSD, w_DV, labels_BS, weights_BS, *, cap: float | None = None,
-                        chunk_bytes: int = LOSS_CHUNK_BYTES) -> jax.Array:
+                        chunk_bytes: int = LOSS_CHUNK_BYTES, gather_axes: tuple[str, ...] = ()) -> jax.Array:
     """Inside ``shard_map``, the vocabulary split over ``tp``: this device's ``sum(weights * -log p(labels))``.
 
     ``h_BSD`` (this device's tokens, whole over tp) times ``w_DV`` (its tp rank's vocabulary columns) gives
@@ -513,9 +547,19 @@ def fused_cross_entropy(h_BSD, w_DV, labels_BS, weights_BS, *, cap: float | None
     logits (softmax minus the label's one-hot), so neither pass keeps ``[B, S, V/tp]`` logits: one
     chunk's at a time. The gradients: ``h``'s summed over tp, ``w``'s this device's partial sum over its
     tokens, summed over the axes ``w`` does not vary over (as a replicated weight's would be).
+
+    ``gather_axes``: ``w_DV`` is this device's block of rows (D split over these FSDP axes). The vocabulary
+    is then taken a chunk of columns at a time, each chunk all-gathered in ``h``'s dtype while the previous
+    one multiplies (and, backward, its float32 gradient reduce-scattered while the next one does), so
+    neither the whole weight nor its float32 gradient is ever held.
     """
     B, S, _ = h_BSD.shape
     V = w_DV.shape[1]
+    if gather_axes:
+        k = _loss_chunks(1, V, B * S, chunk_bytes)  # vocabulary chunks: [B*S, V/k] float32 logits at most
+        groups = _loss_chunks(1, B * S, h_BSD.shape[-1], 2 * chunk_bytes)  # the backward's float32 dh: [B*S/groups, D]
+        return _gathered_ce(_varying(h_BSD), _varying(w_DV), labels_BS, weights_BS, tuple(gather_axes), cap, k,
+                            groups)
     n = _loss_chunks(B, S, V, chunk_bytes)
     # Both typed varying over every axis first: their gradients' sums over the axes they do not vary over are
     # then the transposes of these casts, outside the custom VJP, as every other weight's in the model.
@@ -596,6 +640,98 @@ def _fused_ce_bwd(cap, n, res, g):
 
 
 _fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
+
+
+def _axes_of(spec: P, dim: int) -> tuple[str, ...]:
+    """The mesh axes ``spec`` splits dimension ``dim`` over (``()``: none)."""
+    a = spec[dim] if len(spec) > dim else None
+    return () if a is None else (a,) if isinstance(a, str) else tuple(a)
+
+
+def _gather_cols(w_DnVc, axes, dtype):
+    return jax.lax.all_gather(w_DnVc.astype(dtype), axes, axis=0, tiled=True)  # [D, Vc]
+
+
+def _vocab_blocks(w, k):  # [D/n, V] -> [k, D/n, V/k], and the next chunk's at each step (the first again last)
+    blocks = jnp.moveaxis(w.reshape(w.shape[0], k, w.shape[1] // k), 1, 0)
+    return blocks, jnp.roll(blocks, -1, axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _gathered_ce(h, w, labels, weights, axes, cap, k, groups):
+    return _gathered_ce_fwd(h, w, labels, weights, axes, cap, k, groups)[0]
+
+
+def _gathered_ce_fwd(h, w, labels, weights, axes, cap, k, groups):
+    D, V = h.shape[-1], w.shape[1]
+    Vc = V // k
+    h_TD = h.reshape(-1, D)
+    local, _ = _ce_local_labels(labels.reshape(-1), V)
+    blocks, after = _vocab_blocks(w, k)
+
+    def chunk(carry, xs):
+        m, s, picked, cur = carry
+        i, nxt = xs
+        nxt = _gather_cols(nxt, axes, h.dtype)  # in flight while this chunk multiplies
+        logits = _ce_logits(h_TD[None], cur, cap)[0]  # [T, Vc]
+        m_new = jnp.maximum(m, logits.max(-1))
+        s = s * jnp.exp(m - m_new) + jnp.exp(logits - m_new[:, None]).sum(-1)
+        at = local - i * Vc
+        inside = (at >= 0) & (at < Vc)
+        got = jnp.take_along_axis(logits, jnp.clip(at, 0, Vc - 1)[:, None], axis=-1)[:, 0]
+        return (m_new, s, picked + jnp.where(inside, got, 0.0), nxt), None
+
+    T = h_TD.shape[0]
+    zero = jnp.zeros((T,), jnp.float32)
+    init = (jnp.full((T,), -jnp.inf, jnp.float32), zero, zero, _gather_cols(blocks[0], axes, h.dtype))
+    init = tuple(_varying(a) for a in init)
+    (m, s, picked, _), _ = jax.lax.scan(chunk, init, (jnp.arange(k), after))
+    top = jax.lax.pmax(m, TP)
+    lse = top + jnp.log(jax.lax.psum(s * jnp.exp(m - top), TP))
+    picked = jax.lax.psum(picked, TP)
+    return jnp.sum((lse - picked) * weights.reshape(-1)), (h, w, labels, weights, lse)
+
+
+def _gathered_ce_bwd(axes, cap, k, groups, res, g):
+    h, w, labels, weights, lse = res
+    D, V = h.shape[-1], w.shape[1]
+    Vc = V // k
+    blocks, after = _vocab_blocks(w, k)
+
+    def chunk(carry, xs):  # one vocabulary chunk for one group of tokens
+        (h_TD, local, scale, lse), (dh, cur, pending) = carry
+        i, nxt = xs
+        nxt = _gather_cols(nxt, axes, h.dtype)
+        done = jax.lax.psum_scatter(pending, axes, scatter_dimension=0, tiled=True)  # the previous chunk's dW
+        logits = _ce_logits(h_TD[None], cur, cap)[0]
+        p = jnp.exp(logits - lse[:, None])
+        p = p - jax.nn.one_hot(local - i * Vc, Vc, dtype=p.dtype)  # zero where the label is in another chunk
+        d = p * scale
+        if cap is not None:
+            d = d * (1.0 - (logits / cap) ** 2)
+        d = d.astype(h.dtype)
+        dh = dh + jnp.einsum("tv,dv->td", d, cur, preferred_element_type=jnp.float32)
+        pending = jnp.einsum("td,tv->dv", h_TD, d, preferred_element_type=jnp.float32)
+        return ((h_TD, local, scale, lse), (dh, nxt, pending)), done
+
+    def group(dw, xs):  # the tokens a group at a time: dh's float32 sum holds one group's rows
+        h_TD, labels_T, weights_T, lse_T = xs
+        local, _ = _ce_local_labels(labels_T, V)
+        inputs = (h_TD, local, (g * weights_T)[:, None], lse_T)
+        init = (jnp.zeros(h_TD.shape, jnp.float32), _gather_cols(blocks[0], axes, h.dtype),
+                jnp.zeros((D, Vc), jnp.float32))
+        (_, (dh, _, last)), done = jax.lax.scan(chunk, (inputs, tuple(_varying(a) for a in init)),
+                                                (jnp.arange(k), after))
+        dw_g = jnp.concatenate([done[1:], jax.lax.psum_scatter(last, axes, scatter_dimension=0, tiled=True)[None]])
+        return dw + jnp.moveaxis(dw_g, 0, 1).reshape(w.shape), dh.astype(h.dtype)
+
+    split = lambda a: a.reshape(groups, -1, *a.shape[1:])  # noqa: E731  [T, ...] -> [groups, T/groups, ...]
+    xs = (split(h.reshape(-1, D)), split(labels.reshape(-1)), split(weights.reshape(-1)), split(lse))
+    dw, dh = jax.lax.scan(group, _varying(jnp.zeros(w.shape, jnp.float32)), xs)
+    return dh.reshape(h.shape), dw.astype(w.dtype), None, None
+
+
+_gathered_ce.defvjp(_gathered_ce_fwd, _gathered_ce_bwd)
 
 
 def abstract_model(cfg: LlamaConfig | str, mesh=None, **kw) -> Llama:

@@ -95,7 +95,7 @@ class TrainConfig:
     prefix_lm: float | None = None  # a prefix-LM objective: this share of each document is a bidirectional prompt
     remat: bool = False
     scan_layers: bool = True  # the blocks as one lax.scan over stacked parameters (models.llama.Llama)
-    residual_dtype: str = "float32"  # the residual stream between blocks (bfloat16: half what remat keeps)
+    residual_dtype: str = "auto"  # the residual stream between blocks: auto (the compute --dtype), float32, bfloat16
     data: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 100
@@ -253,9 +253,10 @@ def _build_parser() -> argparse.ArgumentParser:
                         "checkpoint layout unchanged): one block's buffers in the schedule, one block compiled")
     g.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
                    help="unroll the blocks: one program with every layer's own buffers and collectives")
-    g.add_argument("--residual-dtype", choices=("float32", "bfloat16"), default=d.residual_dtype,
-                   help="the residual stream between blocks: float32 (default) or bfloat16 (half the memory remat "
-                        "keeps a layer, as MaxText does)")
+    g.add_argument("--residual-dtype", choices=("auto", "float32", "bfloat16"), default=d.residual_dtype,
+                   help="the residual stream between blocks: auto (default: the compute --dtype, so bfloat16 for a "
+                        "bfloat16 run, as MaxText and Hugging Face keep it: half what remat keeps a layer), float32 "
+                        "or bfloat16")
     g.add_argument("--linear-pieces", type=int, default=d.linear_pieces,
                    help="hybrid models: state slots per CP rank of every linear layer, fixed (default: each batch's "
                         "need, counted on the host and rounded up to a power of two: one program per value; "
@@ -570,10 +571,15 @@ def fsdp_choice(cfg: TrainConfig, dims: jax_cp.MeshDims) -> tuple[bool, str]:
                    f"{say(FSDP_AUTO_BYTES)}: replicated, no weight all-gathers")
 
 
+def residual_dtype(cfg: TrainConfig) -> str:
+    """The residual stream's dtype name: ``--residual-dtype``, or the compute ``--dtype`` for ``auto``."""
+    return cfg.dtype if cfg.residual_dtype == "auto" else cfg.residual_dtype
+
+
 def _model_kwargs(cfg: TrainConfig, mesh) -> dict:
     fsdp, _ = fsdp_choice(cfg, jax_cp.mesh_dims(mesh))
     return dict(dtype=jnp.dtype(cfg.dtype), fsdp=fsdp, fsdp_axes=cfg.fsdp_axes_tuple, remat=cfg.remat,
-                scan_layers=cfg.scan_layers, residual_dtype=jnp.dtype(cfg.residual_dtype), kernel=cfg.kernel,
+                scan_layers=cfg.scan_layers, residual_dtype=jnp.dtype(residual_dtype(cfg)), kernel=cfg.kernel,
                 kv_exchange=cfg.kv_exchange, overlap_chunks=cfg.overlap_chunks,
                 fused_qkv_chunks=cfg.fused_qkv_chunks)
 

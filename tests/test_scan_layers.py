@@ -12,7 +12,7 @@ from jax.sharding import AxisType
 
 import jax_cp
 from conftest import needs_devices
-from models import hybrid, llama
+from models import hybrid, llama, train
 from util import TOL
 
 
@@ -135,20 +135,42 @@ def test_a_bfloat16_residual_stream_is_what_the_scan_carries():
     with pytest.raises(ValueError, match=r"residual_dtype=float16 must be float32 or bfloat16"):
         llama.Llama(cfg, mesh=jax_cp.make_mesh(devices=jax.devices()[:1]), residual_dtype=jnp.float16,
                     rngs=nnx.Rngs(0))
+    # The trainer's --residual-dtype auto (the default) follows the compute dtype: bfloat16 for a bfloat16 run.
+    assert train.TrainConfig().residual_dtype == "auto"
+    assert [train.residual_dtype(train.TrainConfig(dtype=d, residual_dtype=r)) for d, r in (
+        ("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "float32"), ("float32", "bfloat16"))] == [
+        "bfloat16", "float32", "float32", "bfloat16"]
 
 
-def test_the_scanned_step_sums_its_layer_outputs_over_tp_in_bfloat16():
-    """Scanned, FSDP, remat, two head chunks, v5p: every reduce-scatter over tp in the scan's body (the
-    attention's and the MLP's outputs, the residual stream split over tp) moves bfloat16 ``[B, S/cp, D]``.
-    Unfenced, the TPU compiler widens the attention's two-chunk sum to float32 before its reduce-scatter (the
-    residual add after it is float32): twice the bytes; ``CPAttention`` fences the sum's dtype."""
+def test_the_scanned_step_sums_its_layer_outputs_over_tp_in_bfloat16(monkeypatch):
+    """Scanned, FSDP, remat, two head chunks, v5p, a float32 residual stream: every reduce-scatter over tp in
+    the scan's body (the attention's and the MLP's outputs, the residual stream split over tp; the MLP in one
+    piece here) moves bfloat16 ``[B, S/cp, D]``. Unfenced, the TPU compiler widens the attention's two-chunk
+    sum to float32 before its reduce-scatter (the residual add after it is float32): twice the bytes;
+    ``CPAttention`` fences the sum's dtype."""
     pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
-    from models import train
-
+    monkeypatch.setattr(llama, "TP_CHUNKS", 1)
     cfg = train.TrainConfig(model="tiny", seq_len=2048, batch=2, cp_colossal=2, cp_ulysses=2, tp=2, fsdp=True,
-                            remat=True, kv_exchange="auto", overlap_chunks=2, kernel="blockwise")
+                            remat=True, kv_exchange="auto", overlap_chunks=2, kernel="blockwise",
+                            residual_dtype="float32")
     a = train.plan_train_step(cfg, "v5p:2x2x2")
     rs = [c for c in a.schedule.collectives if c.axes == ("tp",) and c.kind == "reduce-scatter" and c.in_loop]
     d_model = llama.get_config("tiny").d_model
     assert len(rs) >= 4 and {c.bytes for c in rs} == {2 * cfg.batch * cfg.seq_len // 4 * d_model}, \
         [(c.bytes, c.phase, c.op_name) for c in rs]
+
+
+def test_the_mlp_hides_its_tp_collectives_under_its_token_pieces():
+    """Scanned, FSDP, remat, v5p: the MLP runs its tp all-gather and reduce-scatter in ``TP_CHUNKS`` = 2
+    token pieces (half of ``[B, S/cp, D]``, bfloat16), and the TPU schedule puts matmuls of one piece
+    inside the other's collectives (with the tokens in one piece, no tp collective of the scan's body has a
+    matmul inside)."""
+    pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
+    cfg = train.TrainConfig(model="tiny", seq_len=2048, batch=2, cp_colossal=2, cp_ulysses=2, tp=2, fsdp=True,
+                            remat=True, kv_exchange="auto", overlap_chunks=2, kernel="blockwise")
+    a = train.plan_train_step(cfg, "v5p:2x2x2")
+    half = 2 * cfg.batch * cfg.seq_len // 4 * llama.get_config("tiny").d_model // llama.TP_CHUNKS
+    pieces = [c for c in a.schedule.collectives if c.axes == ("tp",) and c.in_loop and c.bytes == half
+              and c.kind in ("all-gather", "reduce-scatter")]
+    assert {c.kind for c in pieces} == {"all-gather", "reduce-scatter"}, pieces
+    assert sum(c.overlapped for c in pieces) >= 3, [(c.kind, c.phase, c.overlapped) for c in pieces]

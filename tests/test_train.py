@@ -151,10 +151,13 @@ def test_remat_and_fsdp_change_nothing_but_memory():
     hlo = fn.lower(models["fsdp over dp+cp"], batch).compile().as_text()
     assert "reduce-scatter(" in hlo or "reduce-scatter-start(" in hlo
     # The residual stream is split over tp along D: each layer's attention and MLP reduce-scatter their
-    # [2, 16, 128] output sums to [2, 16, 64] forward and the input gradients backward (2 x 2 x 2); the
-    # only whole-width activation sums left are the head's and the embedding's.
+    # [2, 16, 128] output sums to [2, 16, 64] forward and the input gradients backward (2 layers x 2), the
+    # MLP in TP_CHUNKS = 2 pieces of 8 tokens (2 x 2 x 2); the only whole-width activation sums left are
+    # the head's and the embedding's.
     found = re.findall(r"= f32\[([0-9,]*)\][^ ]* (all-reduce|reduce-scatter)(?:-start)?\(", hlo)
-    assert found.count(("2,16,64", "reduce-scatter")) == 2 * 2 * 2, found
+    assert llama.TP_CHUNKS == 2
+    assert found.count(("2,16,64", "reduce-scatter")) == 2 * 2, found
+    assert found.count(("2,8,64", "reduce-scatter")) == 2 * 2 * 2, found
     assert found.count(("2,16,128", "all-reduce")) <= 2, found
     tol = TOL[jnp.dtype(jnp.float32)]
     loss, grads = results["plain"]
@@ -164,6 +167,73 @@ def test_remat_and_fsdp_change_nothing_but_memory():
         for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads_v), jax.tree.leaves(grads)):
             scale = max(1.0, float(np.abs(r).max()))
             np.testing.assert_allclose(g, r, rtol=tol["rtol"], atol=tol["atol"] * scale, err_msg=f"{name} {path}")
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_loss_over_gathered_vocabulary_chunks_equals_the_whole_weight(cap):
+    """``fused_cross_entropy(..., gather_axes=...)`` (FSDP stores the head's D split): the vocabulary taken 4
+    chunks at a time, each gathered while the one before multiplies and its gradient reduce-scattered a step
+    later (the backward two groups of tokens at a time), gives the loss and the gradients (h's, and each
+    device's block of the weight's) of the whole weight gathered at once (float32, vocabulary split over tp,
+    soft cap or none)."""
+    mesh = jax_cp.make_mesh(cp_colossal=2, tp=2, dp=2, axis_types=AxisType.Auto)
+    rng = np.random.default_rng(0)
+    B, S, D, V = 4, 16, 32, 64
+    h = jnp.asarray(rng.normal(size=(B, S, D)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(D, V)) * 0.3, jnp.float32)
+    labels = jnp.asarray(rng.integers(0, V, (B, S)), jnp.int32)
+    weights = jnp.asarray(rng.random((B, S)) > 0.2, jnp.float32)
+    axes = ("dp", "cp_colossal")
+    tokens = P("dp", ("cp_colossal", "cp_ulysses"))
+
+    def loss(gathered):
+        def nll(h, labels, weights, w):
+            if gathered:  # 16 tokens x 8 columns of float32 logits a chunk: V/tp = 32 columns in 4 chunks, and
+                # the backward's float32 dh (16 x 32) in 2 groups of tokens
+                local = llama.fused_cross_entropy(h, w, labels, weights, cap=cap, gather_axes=axes,
+                                                  chunk_bytes=2 * 8 * 8 * 4)
+            else:
+                local = llama.fused_cross_entropy(h, jax.lax.all_gather(w, axes, axis=0, tiled=True), labels,
+                                                  weights, cap=cap)
+            return jax.lax.psum(local, ("dp", "cp_colossal", "cp_ulysses"))
+
+        specs = (P("dp", ("cp_colossal", "cp_ulysses"), None), tokens, tokens, P(axes, "tp"))
+        return lambda h, w: jax.shard_map(nll, mesh=mesh, in_specs=specs, out_specs=P())(h, labels, weights, w)
+
+    (want, want_g), (got, got_g) = (jax.jit(jax.value_and_grad(loss(g), argnums=(0, 1)))(h, w) for g in (False, True))
+    tol = TOL[jnp.dtype(jnp.float32)]
+    np.testing.assert_allclose(got, want, **tol)
+    for a, b, name in zip(got_g, want_g, ("h", "w")):
+        np.testing.assert_allclose(a, b, rtol=tol["rtol"], atol=tol["atol"] * float(np.abs(b).max()), err_msg=name)
+    assert float(np.abs(want_g[1]).min()) > 0  # every column's gradient reached
+
+
+@needs_devices(8)
+def test_fsdp_embedding_is_never_gathered():
+    """FSDP stores the embedding table split along D: the lookup all-gathers the group's tokens (ints) and
+    hands each device its rows by one all-to-all, so no collective materialises the table's tp block
+    (float32 [V/tp, D]); loss and gradients equal the plain model's (float32; an untied head)."""
+    mesh = jax_cp.make_mesh(cp_colossal=2, tp=2, dp=2, axis_types=AxisType.Auto)
+    cfg = dataclasses.replace(llama.CONFIGS["tiny"], tie_embeddings=False)
+    batch = _batch(mesh, B=4)
+    results = {}
+    for name, kw in {"plain": {}, "fsdp": dict(fsdp=True, fsdp_axes=llama.FSDP_AXES)}.items():
+        with jax.set_mesh(mesh):
+            model = nnx.jit(lambda kw=kw: llama.Llama(cfg, mesh=mesh, dtype=jnp.float32, rngs=nnx.Rngs(0), **kw))()
+        results[name] = _loss_and_grads(model, batch)
+    assert model.embed[...].sharding.is_equivalent_to(NamedSharding(mesh, P("tp", ("dp", "cp_colossal"))), 2)
+    hlo = nnx.jit(nnx.value_and_grad(llama.next_token_loss, has_aux=True)).lower(model, batch).compile().as_text()
+    V, D = cfg.vocab_size, cfg.d_model
+    table = re.findall(rf"= f32\[{V // 2},{D}\][^ ]* (?:all-gather|all-reduce)", hlo)
+    assert not table, table
+    assert re.search(r"= s32\[4,2,16\][^ ]* all-gather", hlo)  # the 2 x 2 group's tokens, [4 devices, B', S']
+    tol = TOL[jnp.dtype(jnp.float32)]
+    (loss, grads), (loss_f, grads_f) = results["plain"], results["fsdp"]
+    np.testing.assert_allclose(loss_f, loss, **tol)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads_f), jax.tree.leaves(grads)):
+        scale = max(1.0, float(np.abs(r).max()))
+        np.testing.assert_allclose(g, r, rtol=tol["rtol"], atol=tol["atol"] * scale, err_msg=str(path))
 
 
 @needs_devices(8)
