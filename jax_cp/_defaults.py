@@ -7,8 +7,8 @@ TPU generation) and the layout (``c, u, t``, heads, kv heads, tokens per device)
 hid best (benchmarks/RESULTS.md "Overlap (planner)", Llama-3-8B layer, the flags
 ``plan.recommended_xla_flags`` gives), plus memory: the ring when what a gathering exchange adds to
 a step (the gathered K/V, their copies and, in the backward, their gradients for the whole
-sequence: ``gathered_bytes``) would take more than an eighth of a device's HBM, and, with splash,
-the tokens per device
+sequence: ``gathered_bytes``) would take more than an eighth of a device's HBM or the sequence is
+split over ``RING_FROM_RANKS`` colossal ranks or more, and, with splash, the tokens per device
 (``SPLASH_LONG_RULES``). Explicit values win.
 """
 from __future__ import annotations
@@ -29,6 +29,11 @@ __all__ = ["AUTO", "Choice", "choose", "choose_kernel", "chip_of", "describe_ker
 AUTO = "auto"
 KV_MEMORY_SHARE = 0.125  # what a gathering exchange holds beyond this share of HBM: the ring
 GATHER_PEAK_FACTOR = 6  # bytes a gathering exchange adds to a step's peak per byte of gathered K/V
+# Colossal ranks from which the ring is taken whatever the memory: each of its c - 1 steps moves S/c tokens'
+# K/V under a kernel step, where a gathering exchange moves the whole sequence's at once. Llama 3.1 8B training
+# step, v5p:4x4x4, B = 1, S = 256K, c = 64 (docs/guides/maxtext.md): the ring exposes 13.1 ms at a 5.17 GiB
+# peak, the all-to-all 78.5 ms at 9.94 GiB. The table's layouts were measured at c <= 16.
+RING_FROM_RANKS = 32
 
 
 def gathered_bytes(kv_bytes: float) -> float:
@@ -172,6 +177,10 @@ def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads
         why = (f"a gathering exchange would add {held / 2**30:.1f} GiB (for {kv_bytes_per_device / 2**30:.1f} GiB "
                f"of gathered K/V) > {KV_MEMORY_SHARE:.1%} of {hbm_bytes / 2**30:.0f} GiB HBM: the ring; "
                f"chunks as {why}")
+    elif c >= RING_FROM_RANKS and exchange != Ring():
+        exchange, fused, claim = Ring(), fused if u > 1 else 0, None
+        why = (f"cp_colossal={c} >= {RING_FROM_RANKS} ranks: the ring, each step's K/V under a kernel step (v5p, "
+               f"c = 64, 256K: 13.1 ms exposed against the all-to-all's 78.5); chunks as {why}")
     per_device = num_heads // (t * u)
     n = _divisor_at_most(per_device, n)
     fused = min(fused, n) if exchange.fuses_qkv else 0

@@ -51,10 +51,13 @@ def test_chunks_fit_the_heads_and_memory_picks_the_ring():
     assert "would add 2.0 GiB (for 0.3 GiB of gathered K/V) > 12.5% of 16 GiB HBM: the ring" in big.why
     assert gathered_bytes(GiB) == 6 * GiB and KV_MEMORY_SHARE == 0.125
     # Llama 3.1 8B, B = 1, 1M tokens over c = 64 (8 kv heads of 128, bf16: 4 GiB gathered) on v5p: the ring
-    # (the all-to-all's step did not fit: 99.5 GiB a chip, docs/guides/maxtext.md); 256K keeps the table's.
+    # (the all-to-all's step did not fit: 99.5 GiB a chip, docs/guides/maxtext.md). 256K over c = 64 fits,
+    # and takes the ring for its 64 ranks; over c = 16 the table's all-to-all.
     v5p = dict(platform="tpu", chip="v5p", c=64, u=1, t=1, num_heads=32, hbm_bytes=95 * GiB)
     assert choose(**v5p, kv_bytes_per_device=2**20 * 8 * 256 * 2).kv_exchange == RING
-    assert choose(**v5p, kv_bytes_per_device=2**18 * 8 * 256 * 2).kv_exchange == A2A
+    at_256k = choose(**v5p, kv_bytes_per_device=2**18 * 8 * 256 * 2)
+    assert at_256k.kv_exchange == RING and at_256k.why.startswith("cp_colossal=64 >= 32 ranks: the ring")
+    assert choose(**{**v5p, "c": 16, "t": 4}, kv_bytes_per_device=2**18 * 8 * 256 * 2).kv_exchange == A2A
 
 
 def test_chip_of_reads_the_device_kind():
