@@ -58,6 +58,14 @@ MAXTEXT_FLAGS_ENV = "VS_MAXTEXT_XLA_FLAGS"
 # The MaxText side (runs in .venv-maxtext; imports nothing from jax_cp)
 
 
+def variant_heads(head_dim: int) -> tuple[int, int]:
+    """``(query heads, kv heads)`` of the model at ``head_dim``: Llama 3.1 8B's 32 / 8 of 128, or the
+    recipe's head_dim-256 variant with the same width, 16 / 4."""
+    if head_dim not in (128, 256):
+        raise SystemExit(f"--head-dim={head_dim}: 128 (Llama 3.1 8B) or 256 (16 query / 4 kv heads).")
+    return 4096 // head_dim, 1024 // head_dim
+
+
 def maxtext_overrides(a, layers: int) -> list[str]:
     """MaxText's recipe for the comparison, as ``key=value`` overrides of its base.yml."""
     chips = math.prod(int(x) for x in a.topology.split(":")[1].split("x"))
@@ -66,6 +74,8 @@ def maxtext_overrides(a, layers: int) -> list[str]:
         f"run_name=vs_maxtext_L{layers}", f"base_output_directory={a.out}/maxtext_outputs",
         f"compile_topology={MAXTEXT_TOPOLOGY[a.topology]}", "compile_topology_num_slices=1",
         "model_name=llama3.1-8b", "override_model_config=true", f"base_num_decoder_layers={layers}",
+        *([f"head_dim={a.head_dim}", f"base_num_query_heads={variant_heads(a.head_dim)[0]}",
+           f"base_num_kv_heads={variant_heads(a.head_dim)[1]}"] if a.head_dim != 128 else []),
         f"max_target_length={a.seq_len}", f"per_device_batch_size={a.batch / devices}",
         *([f"ici_context_parallelism={a.cp_colossal}", f"ici_context_usp_ulysses_parallelism={a.cp_ulysses}"]
           if a.maxtext_cp_strategy == "usp" else [f"ici_context_parallelism={a.cp}"]),  # usp: jax_cp's 2-D split
@@ -171,8 +181,9 @@ def compile_jax_cp(a, layers: int, out: str) -> None:
 
     name = f"llama3-8b-L{layers}"
     base = llama.CONFIGS["llama3-8b"]
-    llama.CONFIGS[name] = dataclasses.replace(base, num_layers=layers, head_dim=a.head_dim,
-                                              num_heads=base.num_heads * base.head_dim // a.head_dim)
+    heads, kv_heads = variant_heads(a.head_dim)
+    llama.CONFIGS[name] = dataclasses.replace(base, num_layers=layers, head_dim=a.head_dim, num_heads=heads,
+                                              num_kv_heads=kv_heads)
     cfg = train.TrainConfig(model=name, seq_len=a.seq_len, batch=a.batch, cp_colossal=a.cp_colossal,
                             cp_ulysses=a.cp_ulysses, tp=a.tp, remat=True, fsdp=True if a.jax_cp_fsdp else "auto",
                             kv_exchange=a.jax_cp_kv_exchange, scan_layers=not a.jax_cp_unrolled,
@@ -231,8 +242,8 @@ def shape_flops(a, layers: int, devices: int) -> float:
     remat): every layer's matmuls 8 x params x tokens (forward, the remat forward, backward 4), the
     head's 6 x D x V x tokens, and the causal attention kernels (forward 2 matmuls, the remat
     forward 2, backward 5: scores recomputed, dP, dV, dQ, dK; each 2 B S^2 H d / 2)."""
-    D, F, V, K = 4096, 14336, 128256, 8
-    H = D // a.head_dim
+    D, F, V = 4096, 14336, 128256
+    H, K = variant_heads(a.head_dim)
     tokens = a.batch * a.seq_len
     layer = D * (H + 2 * K) * a.head_dim + H * a.head_dim * D + 3 * D * F
     attention = 9 * 2 * a.batch * a.seq_len**2 * H * a.head_dim / 2
@@ -364,7 +375,8 @@ def main(argv=None) -> None:
     p.add_argument("--topology", default="v5p:4x4x4")
     p.add_argument("--seq-len", type=int, default=32768)
     p.add_argument("--batch", type=int, default=4, help="global batch")
-    p.add_argument("--head-dim", type=int, default=128, help="128 (Llama 3.1 8B) or 256 (16 heads of 256)")
+    p.add_argument("--head-dim", type=int, default=128, choices=(128, 256),
+                   help="128 (Llama 3.1 8B) or 256 (16 query / 4 kv heads of 256, the same width)")
     p.add_argument("--layers", type=int, nargs="+", default=[2, 4], help="decoder layers compiled (two or more)")
     p.add_argument("--full-layers", type=int, default=32, help="the model's layer count, extrapolated to")
     p.add_argument("--cp-colossal", type=int, default=4)
@@ -511,8 +523,6 @@ def largest(a, chip, sides) -> None:
 def _run_maxtext(a, layers: int, path: str) -> None:
     if not Path(a.maxtext_python).exists():
         raise SystemExit(f"{a.maxtext_python} does not exist: run `make vs-maxtext` (it creates .venv-maxtext).")
-    if a.head_dim != 128:
-        raise SystemExit("--head-dim other than 128: MaxText's side is llama3.1-8b's shape only.")
     env = dict(os.environ, **QUIET_ENV)
     env.pop("PYTHONPATH", None)
     if a.maxtext_flags == "jax_cp":
