@@ -127,7 +127,7 @@ def param_count(cfg: LlamaConfig) -> int:
     return cfg.vocab_size * D + cfg.num_layers * block + D + head
 
 
-TP_CHUNKS = 2  # a block's tp all-gathers and reduce-scatters run in this many token pieces each (MLP)
+TP_CHUNKS = 2  # the MLP's tp all-gather and reduce-scatter run in this many token pieces each (not on CPU)
 FSDP_AXES = (DP, *CP)  # the axes a parameter is replicated over in compute: FSDP may store it sharded there
 
 
@@ -286,6 +286,7 @@ class MLP(nnx.Module):
         over tp, the output summed over tp (reduce-scattered along D where the residual stream is split)."""
         sh, dt, params = sharding or self.sharding, self.dtype, (self.w_gate, self.w_up, self.w_down)
         scatter = sh.residual_BSD[2] == TP
+        on_cpu = self.mesh.devices.flat[0].platform == "cpu"
 
         def mlp(x, w_gate, w_up, w_down):  # x: the normed input, split like the residual stream
             w_gate, w_up, w_down = (_unsharded(b, p, dt) for b, p in zip((w_gate, w_up, w_down), params))
@@ -298,8 +299,9 @@ class MLP(nnx.Module):
                 return jax.lax.psum_scatter(y, TP, scatter_dimension=2, tiled=True) if scatter else jax.lax.psum(y, TP)
 
             # Over tp, the tokens in TP_CHUNKS pieces: one piece's all-gather runs under another's matmuls,
-            # and its reduce-scatter under the next's (forward and backward alike).
-            n = TP_CHUNKS if scatter and x.shape[1] % TP_CHUNKS == 0 else 1
+            # and its reduce-scatter under the next's (forward and backward alike). Not on CPU, whose
+            # collectives are copies: pieces only add ops there.
+            n = TP_CHUNKS if scatter and x.shape[1] % TP_CHUNKS == 0 and not on_cpu else 1
             return tokens(x) if n == 1 else jnp.concatenate([tokens(c) for c in jnp.split(x, n, axis=1)], axis=1)
 
         return _shard_mapped(mlp, self.mesh, x_BSD.astype(dt), sh.residual_BSD, params, sh.residual_BSD)
