@@ -194,6 +194,12 @@ def model_sharding(mesh, d_model: int, *, fsdp: bool, fsdp_axes: tuple[str, ...]
     return Sharding(fsdp=fsdp, fsdp_axes=fsdp_axes, residual_BSD=residual)
 
 
+def _platform(mesh) -> str | None:
+    """The platform of ``mesh``'s devices (``None`` for an abstract mesh)."""
+    devices = getattr(mesh, "devices", None)
+    return None if devices is None else devices.flat[0].platform
+
+
 def _param(mesh, sharding: Sharding, value, spec: P) -> nnx.Param:
     spec = sharding.store(spec, value.shape, mesh)
     return nnx.Param(jax_cp.place(value, mesh, spec), out_sharding=tuple(spec), eager_sharding=False)
@@ -286,7 +292,7 @@ class MLP(nnx.Module):
         over tp, the output summed over tp (reduce-scattered along D where the residual stream is split)."""
         sh, dt, params = sharding or self.sharding, self.dtype, (self.w_gate, self.w_up, self.w_down)
         scatter = sh.residual_BSD[2] == TP
-        on_cpu = self.mesh.devices.flat[0].platform == "cpu"
+        on_cpu = _platform(self.mesh) == "cpu"
 
         def mlp(x, w_gate, w_up, w_down):  # x: the normed input, split like the residual stream
             w_gate, w_up, w_down = (_unsharded(b, p, dt) for b, p in zip((w_gate, w_up, w_down), params))
@@ -428,7 +434,8 @@ class Llama(nnx.Module):
 
     def token_nll(self, h_BSD, labels_BS, weights_BS) -> jax.Array:
         """``sum(weights * -log p(labels))`` over the batch from the final features (``features``), without
-        ``[B, S, V]`` logits: ``fused_cross_entropy`` per chunk of tokens, recomputed in the backward."""
+        ``[B, S, V]`` logits: ``fused_cross_entropy`` per chunk of tokens, recomputed in the backward (per
+        chunk of vocabulary columns, each gathered in turn, where FSDP stores the head split along D)."""
         sh, cfg = self.sharding, self.cfg
 
         stored = _stored(self.head_weight)
