@@ -70,12 +70,13 @@ def maxtext_overrides(a, layers: int) -> list[str]:
     """MaxText's recipe for the comparison, as ``key=value`` overrides of its base.yml."""
     chips = math.prod(int(x) for x in a.topology.split(":")[1].split("x"))
     devices = chips * (2 if a.topology.startswith("tpu7x") else 1)
+    heads, kv_heads = variant_heads(a.head_dim)
     return [
         f"run_name=vs_maxtext_L{layers}", f"base_output_directory={a.out}/maxtext_outputs",
         f"compile_topology={MAXTEXT_TOPOLOGY[a.topology]}", "compile_topology_num_slices=1",
         "model_name=llama3.1-8b", "override_model_config=true", f"base_num_decoder_layers={layers}",
-        *([f"head_dim={a.head_dim}", f"base_num_query_heads={variant_heads(a.head_dim)[0]}",
-           f"base_num_kv_heads={variant_heads(a.head_dim)[1]}"] if a.head_dim != 128 else []),
+        *([f"head_dim={a.head_dim}", f"base_num_query_heads={heads}", f"base_num_kv_heads={kv_heads}"]
+          if a.head_dim != 128 else []),
         f"max_target_length={a.seq_len}", f"per_device_batch_size={a.batch / devices}",
         *([f"ici_context_parallelism={a.cp_colossal}", f"ici_context_usp_ulysses_parallelism={a.cp_ulysses}"]
           if a.maxtext_cp_strategy == "usp" else [f"ici_context_parallelism={a.cp}"]),  # usp: jax_cp's 2-D split

@@ -172,15 +172,16 @@ def choose(*, platform: str, chip: str | None, c: int, u: int, t: int, num_heads
            + f" [{known} = {MEASURED_AT[known]}]")
     claim = _measured_overlap(measured)
     held = gathered_bytes(kv_bytes_per_device) if kv_bytes_per_device else 0.0
+    ring = None  # why the ring replaces the table's gathering exchange
     if c > 1 and exchange != Ring() and hbm_bytes and held > KV_MEMORY_SHARE * hbm_bytes:
-        exchange, fused, claim = Ring(), fused if u > 1 else 0, None  # not the measured exchange
-        why = (f"a gathering exchange would add {held / 2**30:.1f} GiB (for {kv_bytes_per_device / 2**30:.1f} GiB "
-               f"of gathered K/V) > {KV_MEMORY_SHARE:.1%} of {hbm_bytes / 2**30:.0f} GiB HBM: the ring; "
-               f"chunks as {why}")
+        ring = (f"a gathering exchange would add {held / 2**30:.1f} GiB (for {kv_bytes_per_device / 2**30:.1f} GiB "
+                f"of gathered K/V) > {KV_MEMORY_SHARE:.1%} of {hbm_bytes / 2**30:.0f} GiB HBM: the ring")
     elif c >= RING_FROM_RANKS and exchange != Ring():
-        exchange, fused, claim = Ring(), fused if u > 1 else 0, None
-        why = (f"cp_colossal={c} >= {RING_FROM_RANKS} ranks: the ring, each step's K/V under a kernel step (v5p, "
-               f"c = 64, 256K: 13.1 ms exposed against the all-to-all's 78.5); chunks as {why}")
+        ring = (f"cp_colossal={c} >= {RING_FROM_RANKS} ranks: the ring, each step's K/V under a kernel step (v5p, "
+                f"c = 64, 256K: 13.1 ms exposed against the all-to-all's 78.5)")
+    if ring:
+        exchange, fused, claim = Ring(), fused if u > 1 else 0, None  # not the measured exchange
+        why = f"{ring}; chunks as {why}"
     per_device = num_heads // (t * u)
     n = _divisor_at_most(per_device, n)
     fused = min(fused, n) if exchange.fuses_qkv else 0

@@ -247,10 +247,9 @@ def _lookup(embed: nnx.Param):
     def lookup(tokens, block):
         return jax.lax.psum(rows_of(_unsharded(block, embed, jnp.float32), tokens), TP)
 
-    axes = _stored(embed)[1] if len(_stored(embed)) > 1 else None
-    if axes is None:
+    axes = _axes_of(_stored(embed), 1)
+    if not axes:
         return lookup
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
 
     def lookup_d_sharded(tokens, block):
         # FSDP stores the table split along D over `axes`: rather than gathering the whole table, every
@@ -442,17 +441,12 @@ class Llama(nnx.Module):
         d_axes = _axes_of(stored, 1 if cfg.tie_embeddings else 0)  # FSDP along D: gather the vocabulary by chunks
 
         def nll(h, labels, weights, w):
-            if d_axes:
-                w_DV = w.T if cfg.tie_embeddings else w  # this device's [D/n, V/tp] block
-                local = fused_cross_entropy(h, w_DV, labels, weights, cap=cfg.final_logits_soft_cap,
-                                            gather_axes=d_axes)
-            else:
-                w = _unsharded(w, self.head_weight, self.dtype)
-                w_DV = w.T if cfg.tie_embeddings else w
-                local = fused_cross_entropy(h, w_DV, labels, weights, cap=cfg.final_logits_soft_cap)
+            w = w if d_axes else _unsharded(w, self.head_weight, self.dtype)  # d_axes: this device's D rows
+            w_DV = w.T if cfg.tie_embeddings else w
+            local = fused_cross_entropy(h, w_DV, labels, weights, cap=cfg.final_logits_soft_cap, gather_axes=d_axes)
             return jax.lax.psum(local, (DP, *CP))
 
-        specs = (sh.x_BSD, sh.tokens_BS, sh.tokens_BS, _stored(self.head_weight))
+        specs = (sh.x_BSD, sh.tokens_BS, sh.tokens_BS, stored)
         args = (h_BSD, labels_BS.astype(jnp.int32), weights_BS.astype(jnp.float32), self.head_weight[...])
         return jax.shard_map(nll, mesh=self.mesh, in_specs=specs, out_specs=P())(
             *(jax_cp.place(a, self.mesh, spec) for a, spec in zip(args, specs)))
@@ -597,8 +591,22 @@ def _ce_chunks(a, n):  # [B, S, ...] -> [n, B, S/n, ...]
 
 
 def _ce_local_labels(labels, V):
-    local = labels - jax.lax.axis_index(TP) * V
-    return local, (local >= 0) & (local < V)
+    """The labels as columns of this tp rank's ``V`` vocabulary columns (outside ``[0, V)``: another rank's)."""
+    return labels - jax.lax.axis_index(TP) * V
+
+
+def _ce_label_logit(logits, at):
+    """``logits[..., at]`` where the label's column ``at`` is among the chunk's ``[0, V)``, else 0."""
+    V = logits.shape[-1]
+    got = jnp.take_along_axis(logits, jnp.clip(at, 0, V - 1)[..., None], axis=-1)[..., 0]
+    return jnp.where((at >= 0) & (at < V), got, 0.0)
+
+
+def _ce_dlogits(logits, lse, at, scale, cap, dtype):
+    """The loss's gradient with respect to a chunk of logits, in ``dtype``: ``(softmax - one_hot(at)) * scale``
+    (``one_hot`` is zero where the label's column ``at`` lies outside the chunk), through the soft cap."""
+    d = (jnp.exp(logits - lse[..., None]) - jax.nn.one_hot(at, logits.shape[-1], dtype=logits.dtype)) * scale
+    return (d if cap is None else d * (1.0 - (logits / cap) ** 2)).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -614,9 +622,7 @@ def _fused_ce_fwd(h, w, labels, weights, cap, n):
         logits = _ce_logits(h_c, w, cap)
         m = jax.lax.pmax(jax.lax.stop_gradient(logits.max(-1)), TP)
         lse = m + jnp.log(jax.lax.psum(jnp.exp(logits - m[..., None]).sum(-1), TP))
-        local, inside = _ce_local_labels(labels_c, V)
-        picked = jnp.take_along_axis(logits, jnp.clip(local, 0, V - 1)[..., None], axis=-1)[..., 0]
-        picked = jax.lax.psum(jnp.where(inside, picked, 0.0), TP)
+        picked = jax.lax.psum(_ce_label_logit(logits, _ce_local_labels(labels_c, V)), TP)
         return None, (jnp.sum((lse - picked) * weights_c), lse)
 
     _, (totals, lse) = jax.lax.scan(chunk, None, (_ce_chunks(h, n), _ce_chunks(labels, n), _ce_chunks(weights, n)))
@@ -630,20 +636,12 @@ def _fused_ce_bwd(cap, n, res, g):
     def chunk(dw, xs):
         h_c, labels_c, weights_c, lse_c = xs
         logits = _ce_logits(h_c, w, cap)
-        p = jnp.exp(logits - lse_c[..., None])
-        local, inside = _ce_local_labels(labels_c, V)
-        p = p - (jax.nn.one_hot(local, V, dtype=p.dtype) * inside[..., None])
-        d = p * (g * weights_c)[..., None]
-        if cap is not None:
-            d = d * (1.0 - (logits / cap) ** 2)
-        d = d.astype(h.dtype)
+        d = _ce_dlogits(logits, lse_c, _ce_local_labels(labels_c, V), (g * weights_c)[..., None], cap, h.dtype)
         dh = jnp.einsum("bsv,dv->bsd", d, w, preferred_element_type=jnp.float32).astype(h.dtype)  # stacked: h's
         return dw + jnp.einsum("bsd,bsv->dv", h_c, d, preferred_element_type=jnp.float32), dh
 
     # The carry's type is the chunk's dw's: varying over every axis (tokens over dp and CP, vocabulary over tp).
-    dw0 = jax.lax.pcast(jnp.zeros(w.shape, jnp.float32), tuple(jax.sharding.get_abstract_mesh().axis_names),
-                        to="varying")
-    dw, dh = jax.lax.scan(chunk, dw0, (_ce_chunks(h, n), _ce_chunks(labels, n), _ce_chunks(weights, n), lse))
+    dw, dh = jax.lax.scan(chunk, _varying(jnp.zeros(w.shape, jnp.float32)), (_ce_chunks(h, n), _ce_chunks(labels, n), _ce_chunks(weights, n), lse))
     dh = jnp.moveaxis(dh, 0, 1).reshape(h.shape)
     return dh, dw.astype(w.dtype), None, None  # both vary over every axis, as h and w do (fused_cross_entropy)
 
@@ -675,7 +673,7 @@ def _gathered_ce_fwd(h, w, labels, weights, axes, cap, k, groups):
     D, V = h.shape[-1], w.shape[1]
     Vc = V // k
     h_TD = h.reshape(-1, D)
-    local, _ = _ce_local_labels(labels.reshape(-1), V)
+    local = _ce_local_labels(labels.reshape(-1), V)
     blocks, after = _vocab_blocks(w, k)
 
     def chunk(carry, xs):
@@ -685,10 +683,7 @@ def _gathered_ce_fwd(h, w, labels, weights, axes, cap, k, groups):
         logits = _ce_logits(h_TD[None], cur, cap)[0]  # [T, Vc]
         m_new = jnp.maximum(m, logits.max(-1))
         s = s * jnp.exp(m - m_new) + jnp.exp(logits - m_new[:, None]).sum(-1)
-        at = local - i * Vc
-        inside = (at >= 0) & (at < Vc)
-        got = jnp.take_along_axis(logits, jnp.clip(at, 0, Vc - 1)[:, None], axis=-1)[:, 0]
-        return (m_new, s, picked + jnp.where(inside, got, 0.0), nxt), None
+        return (m_new, s, picked + _ce_label_logit(logits, local - i * Vc), nxt), None
 
     T = h_TD.shape[0]
     zero = jnp.zeros((T,), jnp.float32)
@@ -707,30 +702,23 @@ def _gathered_ce_bwd(axes, cap, k, groups, res, g):
     Vc = V // k
     blocks, after = _vocab_blocks(w, k)
 
-    def chunk(carry, xs):  # one vocabulary chunk for one group of tokens
-        (h_TD, local, scale, lse), (dh, cur, pending) = carry
-        i, nxt = xs
-        nxt = _gather_cols(nxt, axes, h.dtype)
-        done = jax.lax.psum_scatter(pending, axes, scatter_dimension=0, tiled=True)  # the previous chunk's dW
-        logits = _ce_logits(h_TD[None], cur, cap)[0]
-        p = jnp.exp(logits - lse[:, None])
-        p = p - jax.nn.one_hot(local - i * Vc, Vc, dtype=p.dtype)  # zero where the label is in another chunk
-        d = p * scale
-        if cap is not None:
-            d = d * (1.0 - (logits / cap) ** 2)
-        d = d.astype(h.dtype)
-        dh = dh + jnp.einsum("tv,dv->td", d, cur, preferred_element_type=jnp.float32)
-        pending = jnp.einsum("td,tv->dv", h_TD, d, preferred_element_type=jnp.float32)
-        return ((h_TD, local, scale, lse), (dh, nxt, pending)), done
-
     def group(dw, xs):  # the tokens a group at a time: dh's float32 sum holds one group's rows
         h_TD, labels_T, weights_T, lse_T = xs
-        local, _ = _ce_local_labels(labels_T, V)
-        inputs = (h_TD, local, (g * weights_T)[:, None], lse_T)
+        local, scale = _ce_local_labels(labels_T, V), (g * weights_T)[:, None]
+
+        def chunk(carry, xs):  # one vocabulary chunk
+            dh, cur, pending = carry
+            i, nxt = xs
+            nxt = _gather_cols(nxt, axes, h.dtype)
+            done = jax.lax.psum_scatter(pending, axes, scatter_dimension=0, tiled=True)  # the previous chunk's dW
+            logits = _ce_logits(h_TD[None], cur, cap)[0]
+            d = _ce_dlogits(logits, lse_T, local - i * Vc, scale, cap, h.dtype)
+            dh = dh + jnp.einsum("tv,dv->td", d, cur, preferred_element_type=jnp.float32)
+            return (dh, nxt, jnp.einsum("td,tv->dv", h_TD, d, preferred_element_type=jnp.float32)), done
+
         init = (jnp.zeros(h_TD.shape, jnp.float32), _gather_cols(blocks[0], axes, h.dtype),
                 jnp.zeros((D, Vc), jnp.float32))
-        (_, (dh, _, last)), done = jax.lax.scan(chunk, (inputs, tuple(_varying(a) for a in init)),
-                                                (jnp.arange(k), after))
+        (dh, _, last), done = jax.lax.scan(chunk, tuple(_varying(a) for a in init), (jnp.arange(k), after))
         dw_g = jnp.concatenate([done[1:], jax.lax.psum_scatter(last, axes, scatter_dimension=0, tiled=True)[None]])
         return dw + jnp.moveaxis(dw_g, 0, 1).reshape(w.shape), dh.astype(h.dtype)
 

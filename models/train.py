@@ -379,7 +379,8 @@ def setup(cfg: TrainConfig, devices=None) -> Setup:
         raise ValueError(f"--model={cfg.model!r} does not fit a CPU; train --model tiny here (the large configs "
                          "are for accelerators and for planning: models.llama.abstract_model).")
     _check_batch(cfg, dims.dp)
-    abstract_model(model_config(cfg), mesh, **_model_kwargs(cfg, mesh))  # head/kernel/exchange checks, no memory
+    model_cfg = model_config(cfg)
+    abstract_model(model_cfg, mesh, **_model_kwargs(cfg, mesh))  # head/kernel/exchange checks, no memory
     if jax.process_count() > 1:
         _check_same_flags(cfg)
     saved = _saved_steps(cfg.ckpt_dir)
@@ -393,7 +394,7 @@ def setup(cfg: TrainConfig, devices=None) -> Setup:
     dual_chunk = None
     if dims.c > 1 and cfg.seq_len % (2 * dims.c) == 0:
         dual_chunk = np.asarray(load_balance.positions(cfg.seq_len, mesh))  # natural index of each balanced slot
-    chunks = cfg.dispatch_chunks or getattr(model_config(cfg), "dispatch_chunks", None)
+    chunks = cfg.dispatch_chunks or getattr(model_cfg, "dispatch_chunks", None)
     return Setup(mesh, train_windows, eval_windows, balance, dual_chunk, NamedSharding(mesh, Sharding().tokens_BS),
                  cfg.prefix_lm, *_exchange_policy(cfg, balance), dispatch_chunks=chunks)
 

@@ -126,6 +126,16 @@ def _loss_and_grads(model, batch):
     return float(loss), nnx.to_pure_dict(grads)
 
 
+def _assert_same_loss_and_grads(got, want, name):
+    """``_loss_and_grads`` results equal at the float32 tolerance (gradients: atol scaled by each leaf's size)."""
+    tol = TOL[jnp.dtype(jnp.float32)]
+    (loss_g, grads_g), (loss_w, grads_w) = got, want
+    np.testing.assert_allclose(loss_g, loss_w, **tol)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads_g), jax.tree.leaves(grads_w), strict=True):
+        scale = max(1.0, float(np.abs(r).max()))
+        np.testing.assert_allclose(g, r, rtol=tol["rtol"], atol=tol["atol"] * scale, err_msg=f"{name} {path}")
+
+
 @needs_devices(8)
 def test_remat_and_fsdp_change_nothing_but_memory():
     """Remat plus FSDP over dp, and FSDP over dp and the CP axes (weights gathered by explicit all-gathers,
@@ -157,14 +167,8 @@ def test_remat_and_fsdp_change_nothing_but_memory():
     found = re.findall(r"= f32\[([0-9,]*)\][^ ]* (all-reduce|reduce-scatter)(?:-start)?\(", hlo)
     assert found.count(("2,16,64", "reduce-scatter")) == 2 * 2 * 2, found
     assert found.count(("2,16,128", "all-reduce")) <= 2, found
-    tol = TOL[jnp.dtype(jnp.float32)]
-    loss, grads = results["plain"]
     for name in ("remat+fsdp", "fsdp over dp+cp"):
-        loss_v, grads_v = results[name]
-        np.testing.assert_allclose(loss_v, loss, **tol)
-        for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads_v), jax.tree.leaves(grads)):
-            scale = max(1.0, float(np.abs(r).max()))
-            np.testing.assert_allclose(g, r, rtol=tol["rtol"], atol=tol["atol"] * scale, err_msg=f"{name} {path}")
+        _assert_same_loss_and_grads(results[name], results["plain"], name)
 
 
 @needs_devices(8)
@@ -226,12 +230,7 @@ def test_fsdp_embedding_is_never_gathered():
     table = re.findall(rf"= f32\[{V // 2},{D}\][^ ]* (?:all-gather|all-reduce)", hlo)
     assert not table, table
     assert re.search(r"= s32\[4,2,16\][^ ]* all-gather", hlo)  # the 2 x 2 group's tokens, [4 devices, B', S']
-    tol = TOL[jnp.dtype(jnp.float32)]
-    (loss, grads), (loss_f, grads_f) = results["plain"], results["fsdp"]
-    np.testing.assert_allclose(loss_f, loss, **tol)
-    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads_f), jax.tree.leaves(grads)):
-        scale = max(1.0, float(np.abs(r).max()))
-        np.testing.assert_allclose(g, r, rtol=tol["rtol"], atol=tol["atol"] * scale, err_msg=str(path))
+    _assert_same_loss_and_grads(results["fsdp"], results["plain"], "fsdp")
 
 
 @needs_devices(8)

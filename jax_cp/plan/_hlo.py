@@ -605,8 +605,7 @@ def _window_bytes(mod, comp: str, window) -> float:
                 _classify(mod, i) in ("start", "done", "sync"):
             continue
         if i.opcode == "while":
-            total += sum(instr_bytes(mod, body, j) * (trips.get(body, 1) or 1)
-                         for body in i.called for j in mod.comps.get(body, ()))
+            total += sum(_body_bytes(mod, body) * (trips.get(body, 1) or 1) for body in i.called)
         else:
             total += instr_bytes(mod, comp, i)
     return total
@@ -787,8 +786,12 @@ def loop_bytes(text_or_module) -> float:
         The bytes, a float.
     """
     mod = text_or_module if isinstance(text_or_module, _Module) else _Module(text_or_module)
-    return float(sum((runs - 1) * sum(instr_bytes(mod, body, i) for i in mod.comps.get(body, ()))
-                     for body, runs in mod.iterations().items() if runs > 1))
+    return float(sum((runs - 1) * _body_bytes(mod, body) for body, runs in mod.iterations().items() if runs > 1))
+
+
+def _body_bytes(mod, body: str) -> int:
+    """HBM bytes one run of the computation ``body`` reads and writes (``instr_bytes`` of each instruction)."""
+    return sum(instr_bytes(mod, body, i) for i in mod.comps.get(body, ()))
 
 
 def _describe(mod, comp, i, names, instrs, done_pos, inside, is_async, mesh_shape, axis_names) -> Collective:
