@@ -203,12 +203,38 @@ def test_loss_over_gathered_vocabulary_chunks_equals_the_whole_weight(cap):
         specs = (P("dp", ("cp_colossal", "cp_ulysses"), None), tokens, tokens, P(axes, "tp"))
         return lambda h, w: jax.shard_map(nll, mesh=mesh, in_specs=specs, out_specs=P())(h, labels, weights, w)
 
-    (want, want_g), (got, got_g) = (jax.jit(jax.value_and_grad(loss(g), argnums=(0, 1)))(h, w) for g in (False, True))
+    want, want_g = jax.jit(jax.value_and_grad(loss(False), argnums=(0, 1)))(h, w)
     tol = TOL[jnp.dtype(jnp.float32)]
-    np.testing.assert_allclose(got, want, **tol)
-    for a, b, name in zip(got_g, want_g, ("h", "w")):
-        np.testing.assert_allclose(a, b, rtol=tol["rtol"], atol=tol["atol"] * float(np.abs(b).max()), err_msg=name)
+    for how, f in (("jit", jax.jit), ("eager", lambda f: f)):  # jax.grad under jit, and outside it
+        got, got_g = f(jax.value_and_grad(loss(True), argnums=(0, 1)))(h, w)
+        np.testing.assert_allclose(got, want, **tol, err_msg=how)
+        for a, b, name in zip(got_g, want_g, ("h", "w")):
+            np.testing.assert_allclose(a, b, rtol=tol["rtol"], atol=tol["atol"] * float(np.abs(b).max()),
+                                       err_msg=f"{how} {name}")
     assert float(np.abs(want_g[1]).min()) > 0  # every column's gradient reached
+
+
+@needs_devices(8)
+def test_mlp_token_pieces_equal_one_piece(monkeypatch):
+    """The MLP's tp collectives in ``TP_CHUNKS`` token pieces (what it runs off CPU; here the platform check
+    answers "tpu") give the loss and gradients of the model with one piece, and of one device (float32)."""
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2, axis_types=AxisType.Auto)
+    one = jax_cp.make_mesh(devices=jax.devices()[:1], axis_types=AxisType.Auto)
+    cfg = llama.CONFIGS["tiny"]
+    results = {}
+    for name, m, platform in (("pieces", mesh, "tpu"), ("one piece", mesh, "cpu"), ("one device", one, "cpu")):
+        monkeypatch.setattr(llama, "_platform", lambda _mesh, platform=platform: platform)
+        batch = _batch(m, B=2)
+        with jax.set_mesh(m):
+            model = nnx.jit(lambda m=m: llama.Llama(cfg, mesh=m, dtype=jnp.float32, rngs=nnx.Rngs(0)))()
+        results[name] = _loss_and_grads(model, batch)
+        if name == "pieces":  # a device's 8 tokens: the attention's sums over tp [2, 8, 64], the MLP's in two
+            # pieces of 4 tokens, forward and backward, in each of the 2 layers
+            hlo = nnx.jit(nnx.value_and_grad(llama.next_token_loss, has_aux=True)).lower(model, batch).compile()
+            found = re.findall(r"= f32\[([0-9,]*)\][^ ]* reduce-scatter(?:-start)?\(", hlo.as_text())
+            assert found.count("2,8,64") == 2 * 2 and found.count("2,4,64") == 2 * 2 * llama.TP_CHUNKS, found
+    _assert_same_loss_and_grads(results["pieces"], results["one piece"], "pieces")
+    _assert_same_loss_and_grads(results["pieces"], results["one device"], "pieces vs one device")
 
 
 @needs_devices(8)
