@@ -1,8 +1,10 @@
 """``AllGather``: K and V (one stacked tensor) all-gathered along the sequence over ``cp_colossal``.
 
-Backward of the gather: the float32 cotangent cut into ``c`` sequence blocks and
-sent block ``i`` to device ``i`` by one all-to-all, which sums them — the bytes
-of a reduce-scatter, but asynchronous on TPU, where reduce-scatter is not.
+Backward of the gather: the cotangent cut into ``c`` sequence blocks and sent
+block ``i`` to device ``i`` by one all-to-all in its own dtype (a bf16 cotangent's
+values are exact in bf16: float32 on the wire would double the bytes and add
+nothing), and the ``c`` blocks summed in float32 on arrival — the bytes of a
+reduce-scatter, but asynchronous on TPU, where reduce-scatter is not.
 Letters: B batch, T local tokens (S/c), S sequence.
 """
 from __future__ import annotations
@@ -37,9 +39,8 @@ def _gather_bwd(axis_name, dtype_carrier, g):
         return (g,)
     B, S = g.shape[:2]
     acc = jnp.promote_types(g.dtype, jnp.float32)
-    blocks = g.astype(acc).reshape(B, c, S // c, *g.shape[2:])
-    blocks = lax.all_to_all(blocks, axis_name, 1, 1, tiled=True)  # block i of every device -> device i
-    return (blocks.sum(1).astype(dtype_carrier.dtype),)
+    blocks = lax.all_to_all(g.reshape(B, c, S // c, *g.shape[2:]), axis_name, 1, 1, tiled=True)  # block i -> device i
+    return (blocks.astype(acc).sum(1).astype(dtype_carrier.dtype),)
 
 
 gather_seq.defvjp(_gather_fwd, _gather_bwd)

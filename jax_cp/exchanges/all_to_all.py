@@ -33,8 +33,9 @@ def spread_kv(x_BTPHd, colossal: str, ulysses: str | None = None):
     ``cp_ulysses`` rank is ``j``: the bytes of the two steps it replaces.
     ``ulysses=None``: heads already split, the gather over ``colossal`` alone
     as an all-to-all of ``c`` copies (asynchronous on TPU, unlike all-gather off v5e).
-    Backward: the float32 cotangent goes back by the inverse all-to-all and the
-    ``c`` copies of each block are summed.
+    Backward: the cotangent goes back by the inverse all-to-all in its own dtype
+    (exact: the sum happens after it) and the ``c`` copies of each block are
+    summed in float32.
     """
     axes, c, u = _spread_axes(colossal, ulysses)
     if c * u == 1:
@@ -56,9 +57,8 @@ def _spread_bwd(colossal, ulysses, dtype_carrier, g_BSPhd):
         return (g_BSPhd,)
     B, S, Pp, h, d = g_BSPhd.shape
     acc = jnp.promote_types(g_BSPhd.dtype, jnp.float32)
-    g = g_BSPhd.astype(acc).reshape(B, S, 1, Pp, h, d)
-    g = lax.all_to_all(g, axes, 1, 2, tiled=True)  # [B, T, c*u, P, h, d]: block of every device
-    g = g.reshape(B, S // (c * u), c, u, Pp, h, d).sum(2)  # the c copies of each head group
+    g = lax.all_to_all(g_BSPhd.reshape(B, S, 1, Pp, h, d), axes, 1, 2, tiled=True)  # [B, T, c*u, P, h, d]
+    g = g.reshape(B, S // (c * u), c, u, Pp, h, d).astype(acc).sum(2)  # the c copies of each head group
     g = g.transpose(0, 1, 3, 2, 4, 5).reshape(B, S // (c * u), Pp, u * h, d)
     return (g.astype(dtype_carrier.dtype),)
 
