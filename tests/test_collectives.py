@@ -5,6 +5,8 @@ exchange and its inverse, each K/V exchange's collective, and each K/V exchange'
 attend step against ``jax_cp.reference``; every ``custom_vjp`` passes
 ``jax.test_util.check_grads`` (its stated backward against numerical derivatives).
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,6 +94,29 @@ def test_spread_kv_is_gather_plus_ulysses_in_one_all_to_all(ulysses):
         f = _smap(mesh, P(DP, (COL, ULY)), P(DP, COL, None, ULY))(lambda x: spread_kv(x, COL, ULY))
         np.testing.assert_array_equal(f(x), jnp.concatenate([x] * 2, axis=1))
     check_grads(lambda x: jnp.sum(jnp.sin(f(x)) * f(x)), (x,), **GRAD)
+
+
+@pytest.mark.parametrize("exchange", ["gather_seq", "spread_kv"])
+def test_gathered_kv_gradients_travel_in_their_dtype_and_sum_in_float32(exchange):
+    """The backward of the gathering exchanges sends a bfloat16 cotangent as bfloat16 (its values are
+    exact there: float32 would double the bytes) and sums the copies in float32: the gradient equals the
+    float32 sum of the bfloat16 cotangents, rounded once."""
+    mesh = _mesh(cp_colossal=4, cp_ulysses=2)  # dp=1
+    x = _x(1, 16, 2, 2, 8).astype(jnp.bfloat16)
+    if exchange == "gather_seq":
+        f = _smap(mesh, P(None, COL), P(None, COL))(lambda x: gather_seq(x, COL))
+    else:
+        f = _smap(mesh, P(None, (COL, ULY)), P(None, COL, None, ULY))(lambda x: spread_kv(x, COL, ULY))
+    w = _x(*f(x).shape, seed=1).astype(jnp.bfloat16)
+    loss = lambda x: jnp.sum(f(x).astype(F32) * w.astype(F32))
+    text = jax.jit(jax.grad(loss)).lower(x).as_text()  # the program as written (XLA:CPU widens bf16 collectives)
+    sent = re.findall(r"stablehlo\.all_to_all.*: \(tensor<[\dx]*x(\w+)>\)", text)
+    assert sent == ["bf16"], sent  # the backward's all-to-all (the loss is linear: no forward one left)
+    # the global output is c copies of x's tokens along the sequence, each weighted by its own block of w
+    copies = w.astype(F32).reshape(1, 4, 16, *w.shape[2:]).sum(1)
+    g = jax.grad(loss)(x)
+    assert g.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(g.astype(F32)), np.asarray(copies.astype(jnp.bfloat16).astype(F32)))
 
 
 @pytest.mark.parametrize("exchange", exchanges.EXCHANGES, ids=exchanges.NAMES)
