@@ -186,7 +186,7 @@ def compile_jax_cp(a, layers: int, out: str) -> None:
     llama.CONFIGS[name] = dataclasses.replace(base, num_layers=layers, head_dim=a.head_dim, num_heads=heads,
                                               num_kv_heads=kv_heads)
     cfg = train.TrainConfig(model=name, seq_len=a.seq_len, batch=a.batch, cp_colossal=a.cp_colossal,
-                            cp_ulysses=a.cp_ulysses, tp=a.tp, remat=True, fsdp=True if a.jax_cp_fsdp else "auto",
+                            cp_ulysses=a.cp_ulysses, tp=a.tp, remat=True, remat_policy=a.jax_cp_remat, fsdp=True if a.jax_cp_fsdp else "auto",
                             kv_exchange=a.jax_cp_kv_exchange, scan_layers=not a.jax_cp_unrolled,
                             residual_dtype=a.jax_cp_residual_dtype,
                             fsdp_axes="dp,cp_colossal,cp_ulysses", plan=a.topology,
@@ -238,23 +238,25 @@ def read_program(path: str, chip, cp_axes: tuple[str, ...]):
     return a, {"rec": rec}
 
 
-def shape_flops(a, layers: int, devices: int) -> float:
-    """Per-device FLOPs of one step counted from the shapes, the same for both programs (both run full
-    remat): every layer's matmuls 8 x params x tokens (forward, the remat forward, backward 4), the
-    head's 6 x D x V x tokens, and the causal attention kernels (forward 2 matmuls, the remat
-    forward 2, backward 5: scores recomputed, dP, dV, dQ, dK; each 2 B S^2 H d / 2)."""
+def shape_flops(a, layers: int, devices: int, kernel_rerun: bool = True) -> float:
+    """Per-device FLOPs of one step counted from the shapes, the same formula for both programs (both
+    rematerialise every layer): every layer's matmuls 8 x params x tokens (forward, the remat forward,
+    backward 4), the head's 6 x D x V x tokens, and the causal attention kernels (forward 2 matmuls, the
+    remat forward 2 where the kernel reruns, backward 5: scores recomputed, dP, dV, dQ, dK; each
+    2 B S^2 H d / 2). ``kernel_rerun=False``: the step keeps the kernels' outputs (jax_cp's
+    ``--jax-cp-remat attention``, whose compiled program calls each forward kernel once)."""
     D, F, V = 4096, 14336, 128256
     H, K = variant_heads(a.head_dim)
     tokens = a.batch * a.seq_len
     layer = D * (H + 2 * K) * a.head_dim + H * a.head_dim * D + 3 * D * F
-    attention = 9 * 2 * a.batch * a.seq_len**2 * H * a.head_dim / 2
+    attention = (9 if kernel_rerun else 7) * 2 * a.batch * a.seq_len**2 * H * a.head_dim / 2
     return (layers * (8 * layer * tokens + attention) + 6 * D * V * tokens) / devices
 
 
-def figures(a_rec, analysis, extra, chip, layers: int, devices: int, args) -> dict:
+def figures(a_rec, analysis, extra, chip, layers: int, devices: int, args, kernel_rerun: bool = True) -> dict:
     """The table's figures of one compiled program (per device, seconds and bytes)."""
     m = analysis.memory
-    compute_s = shape_flops(args, layers, devices) / chip.device_flops
+    compute_s = shape_flops(args, layers, devices, kernel_rerun) / chip.device_flops
     est = analysis.estimate
     cp = analysis.schedule.select()
     cp_exposed = sum(c.wire_bytes * c.iterations for c in cp if not c.overlapped) / chip.device_ici_bandwidth
@@ -266,7 +268,13 @@ def figures(a_rec, analysis, extra, chip, layers: int, devices: int, args) -> di
 
 
 def extrapolate(by_layers: dict[int, dict], full: int) -> dict:
-    """Each figure at ``full`` layers from the two smallest cuts (affine in the layer count)."""
+    """Each figure at ``full`` layers: the whole step's where it was compiled, else from the two smallest
+    cuts (affine in the layer count)."""
+    if full in by_layers:
+        return {**by_layers[full], "step_s": None}
+    if len(by_layers) < 2:
+        raise SystemExit(f"--layers={sorted(by_layers)}: two layer counts to extrapolate from, or the model's "
+                         f"{full} (--full-layers) to compile the step whole.")
     (l0, f0), (l1, f1) = sorted(by_layers.items())[:2]
     out = {}
     for k in f0:
@@ -378,7 +386,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=4, help="global batch")
     p.add_argument("--head-dim", type=int, default=128, choices=(128, 256),
                    help="128 (Llama 3.1 8B) or 256 (16 query / 4 kv heads of 256, the same width)")
-    p.add_argument("--layers", type=int, nargs="+", default=[2, 4], help="decoder layers compiled (two or more)")
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 4], help="decoder layers compiled: two or more cuts extrapolated to --full-layers, or --full-layers "
+                   "itself (the whole step, exact)")
     p.add_argument("--full-layers", type=int, default=32, help="the model's layer count, extrapolated to")
     p.add_argument("--cp-colossal", type=int, default=4)
     p.add_argument("--cp-ulysses", type=int, default=4)
@@ -391,6 +400,9 @@ def main(argv=None) -> None:
     p.add_argument("--jax-cp-residual-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="jax_cp's residual stream (models.train --residual-dtype: auto, the compute dtype, is "
                         "bfloat16 here, as MaxText's)")
+    p.add_argument("--jax-cp-remat", choices=("full", "attention"), default="full",
+                   help="what jax_cp's remat keeps (models.train --remat-policy): full recomputes every layer, as "
+                        "MaxText's recipe; attention also keeps the attention kernels' outputs (no kernel rerun)")
     p.add_argument("--jax-cp-unrolled", action="store_true", help="jax_cp unrolls its blocks "
                    "(models.train --no-scan-layers; default: one lax.scan, as MaxText scans its layers)")
     p.add_argument("--maxtext-cp-strategy", default="all_gather", choices=("all_gather", "ring", "ulysses", "usp"),
@@ -421,6 +433,7 @@ def main(argv=None) -> None:
     sides = {
         "jax_cp" + ("-fsdp" if a.jax_cp_fsdp else "") + ("-unrolled" if a.jax_cp_unrolled else "-scan")
         + ("-f32res" if a.jax_cp_residual_dtype == "float32" else "")
+        + ("-keepattn" if a.jax_cp_remat == "attention" else "")
         + ("" if a.jax_cp_kv_exchange == "auto" else f"-{a.jax_cp_kv_exchange}"): ("jax_cp", ("cp_colossal", "cp_ulysses")),
         f"maxtext-{a.maxtext_cp_strategy}-{a.maxtext_remat}" + ("-jaxcpflags" if a.maxtext_flags == "jax_cp" else ""):
             ("maxtext", ("context",)),
@@ -470,7 +483,8 @@ def _program(a, chip, side: str, kind: str, cp_axes, layers: int) -> tuple[dict,
         print(f"  {time.perf_counter() - t0:.0f} s", flush=True)
     analysis, extra = read_program(path, chip, cp_axes)
     devices = math.prod(extra["rec"]["mesh_shape"])
-    return figures(extra["rec"], analysis, extra, chip, layers, devices, a), analysis, extra, path
+    rerun = kind == "maxtext" or a.jax_cp_remat == "full"  # MaxText: --maxtext-remat full, its recipe's
+    return figures(extra["rec"], analysis, extra, chip, layers, devices, a, rerun), analysis, extra, path
 
 
 def _compiled(a, chip, side: str, kind: str, cp_axes, S: int) -> tuple[dict | None, str]:
@@ -539,8 +553,9 @@ def _run_maxtext(a, layers: int, path: str) -> None:
 
 def _print(a, chip, sides, results) -> None:
     print(f"\nOne training step, Llama 3.1 8B shapes (head_dim {a.head_dim}), {a.topology} ({chip.device_kind}), "
-          f"B={a.batch}, S={a.seq_len}; per device; {a.full_layers} layers extrapolated from "
-          f"{' and '.join(map(str, a.layers[:2]))}-layer compiles (affine in the layer count)\n")
+          f"B={a.batch}, S={a.seq_len}; per device; {a.full_layers} layers "
+          + ("compiled whole\n" if a.full_layers in a.layers else f"extrapolated from {' and '.join(map(str, a.layers[:2]))}"
+             "-layer compiles (affine in the layer count)\n"))
     rows = [("arguments (GiB)", "arguments", _gib), ("temporaries (GiB)", "temporaries", _gib),
             ("peak (GiB)", "peak", _gib), ("CP collective bytes (GiB)", "cp_bytes", _gib),
             ("all collective bytes (GiB)", "all_coll_bytes", _gib),
@@ -558,7 +573,8 @@ def _print(a, chip, sides, results) -> None:
             vals.append(fmt(f[key]))
         print(f"| {label} | " + " | ".join(vals) + " |")
     print("\nCompute: FLOPs counted from the shapes, the same formula for both (full remat: matmuls 8 x params "
-          "x tokens, head 6 x D x V x tokens, attention kernels fwd + remat fwd + bwd); the compilers' own counts "
+          "x tokens, head 6 x D x V x tokens, attention kernels fwd + remat fwd + bwd, jax_cp's remat fwd left out "
+          "under --jax-cp-remat attention); the compilers' own counts "
           "are not comparable: each counts a loop body once and MaxText scans its layers. HBM traffic: the "
           "compiler's bytes accessed plus jax_cp.plan's count of loop bodies' further trips (loop_bytes). "
           f"Peaks: {chip.device_kind} {chip.device_flops / 1e12:.0f} TFLOP/s, "

@@ -375,10 +375,10 @@ class Llama(nnx.Module):
     """
 
     def __init__(self, cfg: LlamaConfig, *, mesh, dtype=jnp.bfloat16, fsdp: bool = False,
-                 fsdp_axes: tuple[str, ...] = (DP,), remat: bool = False, kernel: str = "auto", kv_exchange="auto",
+                 fsdp_axes: tuple[str, ...] = (DP,), remat: bool | str = False, kernel: str = "auto", kv_exchange="auto",
                  overlap_chunks: int | str = "auto", fused_qkv_chunks: int | str = "auto", scan_layers: bool = False,
                  residual_dtype=jnp.float32, rngs: nnx.Rngs):
-        self.cfg, self.mesh, self.dtype, self.remat = cfg, mesh, jnp.dtype(dtype), remat
+        self.cfg, self.mesh, self.dtype, self.remat = cfg, mesh, jnp.dtype(dtype), remat_policy(remat)
         self.scan_layers, self.residual_dtype = scan_layers, _residual_dtype(residual_dtype)
         self.sharding = sharding = model_sharding(mesh, cfg.d_model, fsdp=fsdp, fsdp_axes=fsdp_axes)
         V, D = cfg.vocab_size, cfg.d_model
@@ -469,7 +469,7 @@ class Llama(nnx.Module):
             x_BSD = self._scanned(apply, x_BSD, positions, segment_ids, span_ids)
         else:
             if self.remat and infer is None:
-                apply = nnx.remat(apply)
+                apply = nnx.remat(apply, policy=_POLICIES[self.remat])
             for block in self.blocks:
                 x_BSD = apply(block, x_BSD, positions, segment_ids, span_ids)
         return self.final_norm(x_BSD).astype(self.dtype)
@@ -492,7 +492,7 @@ class Llama(nnx.Module):
 
         steps = [functools.partial(one, j) for j in range(period)]
         if self.remat:
-            steps = [jax.checkpoint(step) for step in steps]
+            steps = [jax.checkpoint(step, policy=_POLICIES[self.remat]) for step in steps]
 
         def body(x, group):
             for step, state in zip(steps, group):
@@ -503,6 +503,25 @@ class Llama(nnx.Module):
         for i in range(groups * period, len(blocks)):
             x_BSD = steps[i % period](splits[i][1], x_BSD)
         return x_BSD
+
+
+REMAT = ("full", "attention")  # what a rematerialised block recomputes: all of it / all but its attention
+_POLICIES = {"full": None, "attention": jax_cp.save_attention_residuals}
+
+
+def remat_policy(remat) -> str | None:
+    """``None`` (no remat) or the name of what a block keeps for a model's ``remat``: ``False``; ``True`` or
+    ``"full"`` (every block recomputed in the backward pass from its input); ``"attention"`` (the same,
+    keeping also its attention kernel's output and log-sum-exp, ``jax_cp.save_attention_residuals``: the
+    backward pass does not rerun the attention)."""
+    if remat is False or remat is None:
+        return None
+    name = "full" if remat is True else remat
+    if name not in REMAT:
+        raise ValueError(f"remat={remat!r} must be False, True, 'full' or 'attention' ('attention' keeps each "
+                         "block's attention output and log-sum-exp so the backward pass does not rerun the kernel; "
+                         "'full' recomputes the whole block).")
+    return name
 
 
 def _residual_dtype(dtype) -> jnp.dtype:

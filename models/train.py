@@ -45,7 +45,7 @@ from models import data as data_lib
 from models import hf
 from jax_cp import linear
 from models.hybrid import HybridConfig, abstract_model, get_config, model_class
-from models.llama import Sharding, next_token_loss
+from models.llama import REMAT, Sharding, next_token_loss
 
 __all__ = ["TrainConfig", "global_batch", "main", "parse_args", "run"]
 
@@ -94,6 +94,7 @@ class TrainConfig:
     use_sinks: bool = False  # every attention layer: a learned sink logit per query head
     prefix_lm: float | None = None  # a prefix-LM objective: this share of each document is a bidirectional prompt
     remat: bool = False
+    remat_policy: str = "full"  # with remat: what a block keeps beside its input (llama.REMAT)
     scan_layers: bool = True  # the blocks as one lax.scan over stacked parameters (models.llama.Llama)
     residual_dtype: str = "auto"  # the residual stream between blocks: auto (the compute --dtype), float32, bfloat16
     data: str | None = None
@@ -157,6 +158,10 @@ class TrainConfig:
         if self.prefix_lm is not None and self.model in hybrid.CONFIGS:
             raise ValueError(f"--prefix-lm={self.prefix_lm} needs bidirectional prompts, which the recurrent layers "
                              f"of --model={self.model} cannot see; train it without --prefix-lm.")
+        if self.remat_policy not in llama.REMAT:
+            raise ValueError(f"--remat-policy={self.remat_policy!r} must be one of {llama.REMAT}.")
+        if self.remat_policy != "full" and not self.remat:
+            raise ValueError(f"--remat-policy={self.remat_policy} says what remat keeps; add --remat (or drop it).")
         if self.fsdp not in (True, False, "auto"):
             raise ValueError(f"fsdp={self.fsdp!r} must be True (--fsdp), False (--no-fsdp) or 'auto'.")
         try:
@@ -248,6 +253,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="load-balance order: a dispatch plan per batch (equal attention work per CP rank on packed "
                         "rows) or the fixed dual-chunk order (balanced for one document per row)")
     g.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
+    g.add_argument("--remat-policy", choices=REMAT, default=d.remat_policy,
+                   help="with --remat: full recomputes the whole block from its input; attention also keeps its "
+                        "attention output and log-sum-exp, so the backward pass does not rerun the kernel (long "
+                        "context: about 2/9 of the attention's FLOPs, for one more activation a layer)")
     g.add_argument("--scan-layers", dest="scan_layers", action="store_true", default=d.scan_layers,
                    help="run the blocks as one lax.scan (the default; their parameters stacked for the step, the "
                         "checkpoint layout unchanged): one block's buffers in the schedule, one block compiled")
@@ -579,7 +588,8 @@ def residual_dtype(cfg: TrainConfig) -> str:
 
 def _model_kwargs(cfg: TrainConfig, mesh) -> dict:
     fsdp, _ = fsdp_choice(cfg, jax_cp.mesh_dims(mesh))
-    return dict(dtype=jnp.dtype(cfg.dtype), fsdp=fsdp, fsdp_axes=cfg.fsdp_axes_tuple, remat=cfg.remat,
+    return dict(dtype=jnp.dtype(cfg.dtype), fsdp=fsdp, fsdp_axes=cfg.fsdp_axes_tuple,
+                remat=cfg.remat and cfg.remat_policy,
                 scan_layers=cfg.scan_layers, residual_dtype=jnp.dtype(residual_dtype(cfg)), kernel=cfg.kernel,
                 kv_exchange=cfg.kv_exchange, overlap_chunks=cfg.overlap_chunks,
                 fused_qkv_chunks=cfg.fused_qkv_chunks)
@@ -741,13 +751,13 @@ def splash_flops(cfg: TrainConfig, model_cfg, dims) -> float:
     """Per-device FLOPs of one training step's splash kernels, which the compiler counts as none.
 
     Per attention layer and visible (query, key) pair, ``2 d`` FLOPs per matmul and head: the forward's
-    2 matmuls, their rerun under ``--remat``, and the backward's 7 (the dq and dK/dV kernels both
+    2 matmuls, their rerun under ``--remat`` (not with ``--remat-policy attention``), and the backward's 7 (the dq and dK/dV kernels both
     recompute the scores). Pairs: one causal document per row (a sliding layer's window), spread
     evenly over ``cp_colossal`` as the load-balanced orders do; heads over ``tp * cp_ulysses``, rows
     over ``dp``.
     """
     S = cfg.seq_len
-    matmuls = 2 + (2 if cfg.remat else 0) + 7
+    matmuls = 2 + (2 if cfg.remat and cfg.remat_policy == "full" else 0) + 7
     per_pair = matmuls * 2 * model_cfg.head_dim * (cfg.batch / dims.dp) * model_cfg.num_heads / (dims.t * dims.u)
     total = 0.0
     for layer in range(model_cfg.num_layers):
@@ -776,7 +786,7 @@ def _plan_main(cfg: TrainConfig) -> None:
     source = f" (--init-from {cfg.init_from}: its config.json, no weights read)" if cfg.init_from else ""
     print(f"jax_cp plan: one training step of {cfg.model_name}{source} on {cfg.plan} ({chip.device_kind}), "
           f"mesh {mesh}\nB={cfg.batch} S={cfg.seq_len} dtype={cfg.dtype} fsdp={_fsdp_words(cfg, dims)} "
-          f"remat={cfg.remat} "
+          f"remat={cfg.remat and cfg.remat_policy} "
           f"kernel={cfg.kernel} kv_exchange={cfg.kv_exchange} overlap_chunks={cfg.overlap_chunks} "
           f"fused_qkv_chunks={cfg.fused_qkv_chunks}\n"
           f"flags: {' '.join(xla_flags_for(cfg, chip.name))}\n")

@@ -75,7 +75,7 @@ def test_example_model_uses_the_library():
 # (imports inside functions included), and no import circle closes anywhere.
 FLOORS = (
     ("facts and metadata", ("_platform", "_chips", "_checks", "_masks", "_meta", "_params", "_posenc", "_ulysses", "_mesh",
-                            "_softmax", "_vma")),
+                            "_softmax", "_vma", "_remat")),
     ("kernels", ("kernels",)),
     ("per-shard steps", ("exchanges", "_projection", "load_balance", "_dispatch")),
     ("the rule", ("_defaults", "_spec")),

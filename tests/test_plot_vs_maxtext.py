@@ -33,3 +33,14 @@ def test_the_summaries_group_by_family_and_keep_jax_cps_fastest(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="no \\*-summary.json for v6e:4x4"):
         plot.main(["--runs", str(run), "--topology", "v6e:4x4", "--png", str(png)])
+
+
+def test_the_whole_step_is_taken_as_compiled_and_cuts_are_extrapolated():
+    import vs_maxtext
+
+    cuts = {2: {"peak": 10.0, "exposed_s": 1.0}, 4: {"peak": 14.0, "exposed_s": 1.5}}
+    assert vs_maxtext.extrapolate(cuts, 32) == {"peak": 70.0, "exposed_s": 8.5, "step_s": None}
+    whole = {32: {"peak": 69.0, "exposed_s": 8.0}}
+    assert vs_maxtext.extrapolate({**cuts, **whole}, 32) == {"peak": 69.0, "exposed_s": 8.0, "step_s": None}
+    with pytest.raises(SystemExit, match=r"--layers=\[4\]: two layer counts .* the model's 32 \(--full-layers\)"):
+        vs_maxtext.extrapolate({4: cuts[4]}, 32)

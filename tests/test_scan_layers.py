@@ -1,7 +1,9 @@
 """``--scan-layers``: a model's blocks as one ``lax.scan`` over their stacked parameters (``Llama._scanned``)
 give the loop's loss and gradients, with FSDP storage and remat, on Auto and Explicit meshes, for Llama
 and the hybrid model (a scan over groups of a DeltaNet and an attention layer, and the layer left over)."""
+import collections
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,8 @@ from models import hybrid, llama, train
 from util import TOL
 
 
-def _loss_and_grads(name, layers, mesh, scan_layers, remat, jit=True):
+def _loss(name, layers, mesh, scan_layers, remat):
+    """``(loss(state), state)`` of a small float32 model with FSDP storage, built under ``mesh``."""
     cfg = dataclasses.replace(hybrid.get_config(name), num_layers=layers)
     if isinstance(cfg, hybrid.HybridConfig):  # DeltaNet, attention, ...: two groups of two, then a DeltaNet
         cfg = dataclasses.replace(cfg, full_attention_interval=2)
@@ -32,9 +35,15 @@ def _loss_and_grads(name, layers, mesh, scan_layers, remat, jit=True):
                                         rngs=nnx.Rngs(0))
         graph, state = nnx.split(model)
 
-        def loss(state):
-            return llama.next_token_loss(nnx.merge(graph, state), batch)[0]
+    def loss(state):
+        return llama.next_token_loss(nnx.merge(graph, state), batch)[0]
 
+    return loss, state
+
+
+def _loss_and_grads(name, layers, mesh, scan_layers, remat, jit=True):
+    loss, state = _loss(name, layers, mesh, scan_layers, remat)
+    with jax.set_mesh(mesh):
         if not jit:  # eagerly: jax.grad outside jit
             return jax.value_and_grad(loss)(state), None
         step = jax.jit(jax.value_and_grad(loss))
@@ -174,3 +183,41 @@ def test_the_mlp_hides_its_tp_collectives_under_its_token_pieces():
               and c.kind in ("all-gather", "reduce-scatter")]
     assert {c.kind for c in pieces} == {"all-gather", "reduce-scatter"}, pieces
     assert sum(c.overlapped for c in pieces) >= 3, [(c.kind, c.phase, c.overlapped) for c in pieces]
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_remat_keeping_the_attention_equals_full_remat(scan_layers, capsys):
+    """``remat="attention"`` (``--remat-policy attention``) keeps each block's attention output and
+    log-sum-exp (named ``jax_cp.ATTENTION_RESIDUALS`` inside the kernels) from the forward pass: tiny on
+    (2, 2, 2), scanned and looped, gives full remat's loss and gradients (float32 tolerances), and what the
+    backward pass reads from the forward (``jax.ad_checkpoint.print_saved_residuals``) is full remat's and
+    exactly those two arrays of every layer, B*S*H*d and B*S*H elements (stacked by the scan)."""
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2, axis_types=AxisType.Auto)
+    (loss, grads), _ = _loss_and_grads("tiny", 2, mesh, scan_layers, True)
+    (loss_a, grads_a), _ = _loss_and_grads("tiny", 2, mesh, scan_layers, "attention")
+    tol = TOL[jnp.dtype(jnp.float32)]
+    np.testing.assert_allclose(float(loss_a), float(loss), **tol)
+    for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
+    kept = {}
+    for remat in (True, "attention"):
+        f, state = _loss("tiny", 2, mesh, scan_layers, remat)
+        with jax.set_mesh(mesh):
+            jax.ad_checkpoint.print_saved_residuals(f, state)
+        kept[remat] = collections.Counter(capsys.readouterr().out.splitlines())
+    assert not kept[True] - kept["attention"]
+    extra = kept["attention"] - kept[True]
+    sizes = sorted(math.prod(map(int, line.split("[")[1].split("]")[0].split(","))) * n for line, n in extra.items())
+    B, S, H, d, L = 2, 64, 8, 16, 2
+    assert sizes == [B * S * H * L, B * S * H * d * L]  # each layer's pair (the scan's stacked): elements
+
+
+def test_remat_policy_names_its_choices():
+    with pytest.raises(ValueError, match=r"remat='everything' must be False, True, 'full' or 'attention'"):
+        llama.remat_policy("everything")
+    assert [llama.remat_policy(r) for r in (False, True, "full", "attention")] == [None, "full", "full", "attention"]
+    with pytest.raises(ValueError, match=r"--remat-policy=attention says what remat keeps; add --remat"):
+        train.TrainConfig(remat_policy="attention")
+    with pytest.raises(ValueError, match=r"--remat-policy='none' must be one of \('full', 'attention'\)"):
+        train.TrainConfig(remat=True, remat_policy="none")

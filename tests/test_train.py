@@ -750,11 +750,10 @@ def test_plan_one_training_step_for_a_tpu_topology(monkeypatch, capsys):
     nothing allocated. Arguments hold at least every parameter, moment and batch shard, and the state
     is donated as in training (aliased: counted once in the peak); each layer's exchanges appear
     forward and backward, and tp's backward activation collectives run inside matmuls (v5e's all-reduce
-    continuation fusion, a recommended flag). Without that flag every dK/dV all-to-all has compute
-    inside; with it, at this toy size, one of the four loses it to the fused sums (the Llama-3-8B
-    step's backward overlap rises with it instead, 0.94 -> 0.98: benchmarks/RESULTS.md, "A whole
-    training step"), so that property is checked on a second compile without it. Then the CLI on the
-    same step (``_check_plan_cli``, handed this compile instead of a second one)."""
+    continuation fusion, a recommended flag; on a second compile without it, none does). dK/dV travel
+    in bf16 (one kv head's K and V a chunk): at this toy size three of the four dK/dV all-to-alls have
+    compute inside, with the flag or without. Then the CLI on the same step (``_check_plan_cli``,
+    handed this compile instead of a second one)."""
     pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
     from jax_cp import plan
 
@@ -785,8 +784,12 @@ def test_plan_one_training_step_for_a_tpu_topology(monkeypatch, capsys):
     flags = plan.recommended_xla_flags("tpu", chip="v5e")
     assert fused_sums in flags
     plain = train.plan_train_step(cfg, "v5e:2x4", xla_flags=tuple(f for f in flags if f != fused_sums))
-    dkdv = [c for c in plain.schedule.select("bwd") if c.kind == "all-to-all" and c.axes == both]
-    assert len(dkdv) == 2 * 2 and all(c.overlapped for c in dkdv), [c.compute_inside for c in dkdv]
+    for step in (a, plain):
+        dkdv = [c for c in step.schedule.select("bwd") if c.kind == "all-to-all" and c.axes == both]
+        assert [c.bytes for c in dkdv] == [2 * 2048 * 2 * 16 * 2] * 4  # B S (K, V) d, bf16: layers x chunks
+        # one of the first layer's two (the last of the backward pass) has no compute beside it in this
+        # 2-layer step (float32 dK/dV, twice the bytes, were all placed under matmuls)
+        assert sum(c.overlapped for c in dkdv) == 3, [c.compute_inside for c in dkdv]
     assert not any(c.overlapped for c in plain.schedule.collectives if c.kind == "all-reduce")
     _check_plan_cli(a, monkeypatch, capsys)
 
@@ -927,11 +930,12 @@ def test_splash_flops_count_the_visible_pairs():
     cfg = dataclasses.replace(llama.CONFIGS["tiny"], num_layers=2, num_heads=4, head_dim=d, sliding_window=W,
                               sliding_layers=(False, True))
     dims = jax_cp.MeshDims(dp=2, c=2, u=2, t=1)
-    run = types.SimpleNamespace(seq_len=S, batch=4, remat=True)
+    run = types.SimpleNamespace(seq_len=S, batch=4, remat=True, remat_policy="full")
     per_pair = 11 * 2 * d * (4 / 2) * (4 / 2) / 2  # matmuls, 2d, rows per dp shard, heads per device, / c
     assert train.splash_flops(run, cfg, dims) == pytest.approx(per_pair * (causal + sliding))
-    assert train.splash_flops(types.SimpleNamespace(seq_len=S, batch=4, remat=False), cfg, dims) == pytest.approx(
-        per_pair * 9 / 11 * (causal + sliding))
+    for remat, policy in ((False, "full"), (True, "attention")):  # no rerun of the forward kernels
+        other = types.SimpleNamespace(seq_len=S, batch=4, remat=remat, remat_policy=policy)
+        assert train.splash_flops(other, cfg, dims) == pytest.approx(per_pair * 9 / 11 * (causal + sliding))
     hybrid_cfg = hybrid.get_config("hybrid-tiny")  # layers 0-2 linear, 3 attention
     one = train.splash_flops(run, dataclasses.replace(hybrid_cfg, num_layers=4), dims)
     assert one == pytest.approx(11 * 2 * hybrid_cfg.head_dim * 2 * hybrid_cfg.num_heads / 2 / 2 * causal)
@@ -949,3 +953,19 @@ def test_planned_step_with_splash_counts_its_kernels():
     dims = jax_cp.MeshDims(dp=1, c=2, u=2, t=2)
     assert a.executed_flops == a.flops + train.splash_flops(cfg, train.model_config(cfg), dims) > a.flops
     assert a.estimate.compute_s == pytest.approx(a.executed_flops / plan.chip_for("v5e:2x4").device_flops)
+
+
+def test_planned_step_keeping_the_attention_runs_each_forward_kernel_once():
+    """``--remat-policy attention`` on the same splash step (v5e:2x4, remat): the compiled program runs
+    each layer's forward kernels once, where full remat runs them twice (the rerun in the backward pass),
+    and the backward kernels as often; the planner's executed FLOPs lose the rerun's."""
+    pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
+    full = train.TrainConfig(**(PLAN | dict(kernel="splash", kv_exchange="auto", overlap_chunks="auto", remat=True)))
+    kept = dataclasses.replace(full, remat_policy="attention")
+    a, b = train.plan_train_step(full, "v5e:2x4"), train.plan_train_step(kept, "v5e:2x4")
+    calls = lambda p: {name.rsplit("_", 1)[1]: n for name, n in p.kernel_calls}
+    assert calls(a)["fwd"] == 2 * calls(b)["fwd"] > 0
+    assert (calls(a)["dq"], calls(a)["dkv"]) == (calls(b)["dq"], calls(b)["dkv"]) != (0, 0)
+    dims = jax_cp.MeshDims(dp=1, c=2, u=2, t=2)
+    rerun = train.splash_flops(full, train.model_config(full), dims) * 2 / 11  # 2 of the 11 kernel matmuls
+    assert a.executed_flops - b.executed_flops == pytest.approx(rerun, rel=1e-3)

@@ -22,6 +22,7 @@ from jax_cp import _softmax
 from jax_cp import kernels as _kernels
 from jax_cp._masks import normalize_window
 from jax_cp._mesh import COLOSSAL, seq_chunk
+from jax_cp._remat import name_attention_residuals
 from jax_cp._vma import vary_as
 from jax_cp.kernels import _blockwise as bw
 from jax_cp.kernels import _splash as sp
@@ -96,7 +97,7 @@ def _ring_fwd(q, k, v, pos, seg, kv_seg, kv_pos, span, kv_span, sinks, axis_name
     home = _home(k, v, pos, seg, kv_seg, kv_pos, span, kv_span)
     o, lse, *row_max = _forward(q, home, pos, seg, span, axis_name, spec)
     o, lse = _softmax.fold_sinks(o, lse, sinks)
-    o = o.astype(q.dtype)
+    o, lse = name_attention_residuals(o.astype(q.dtype), lse)
     return bw.outputs(spec, o, lse, row_max), (q, k, v, pos, seg, kv_seg, kv_pos, span, kv_span, o, lse, sinks)
 
 
@@ -176,7 +177,7 @@ def _splash_ring(qx, qm, home, sinks, axis_name, step):
 
 def _splash_ring_fwd(qx, qm, home, sinks, axis_name, step):
     o, lse = _loop(lambda carry, kv, ahead: sp.ring_forward_step(step, qx, qm, kv, carry, ahead), home, axis_name)
-    o, lse = sp.finish(o, lse, sinks, qx.dtype)  # sinks once, after the last chunk ([B, H, Tp] lse)
+    o, lse = name_attention_residuals(*sp.finish(o, lse, sinks, qx.dtype))  # sinks once, after the last chunk
     return o, (qx, qm, home, o, lse, sinks)
 
 

@@ -23,6 +23,7 @@ from jax_cp._checks import check_scale
 from jax_cp._masks import Window, normalize_window, visible
 from jax_cp._softmax import NEG, acc_dtype, check_soft_cap, fold_sinks, head_max, sinks_grad, varying_sinks
 from jax_cp._platform import target_platform
+from jax_cp._remat import name_attention_residuals
 from jax_cp._vma import varying
 from jax_cp.kernels._base import scaled_query
 
@@ -391,7 +392,7 @@ def _attention(q, k, v, qm, km, sinks, spec):
 def _attention_fwd(q, k, v, qm, km, sinks, spec):
     o, lse, *row_max = forward(q, k, v, qm, km, spec)
     o, lse = fold_sinks(o, lse, sinks)
-    o = o.astype(q.dtype)
+    o, lse = name_attention_residuals(o.astype(q.dtype), lse)
     return outputs(spec, o, lse, row_max), (q, k, v, o, lse, qm, km, sinks)
 
 

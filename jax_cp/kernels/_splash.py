@@ -38,6 +38,7 @@ import numpy as np
 from jax import lax
 
 from jax_cp._masks import normalize_window
+from jax_cp._remat import name_attention_residuals
 from jax_cp._softmax import check_soft_cap, fold_sinks, merge_softmax, sinks_grad
 from jax_cp._vma import unchecked as _unchecked, vary_as as _vary_as
 
@@ -305,6 +306,7 @@ def _unchecked_fwd(static, infos, q, k, v, segment_ids, sinks=None):
     kq, kv_ = _kv_in(k, static), _kv_in(v, static)
     o, (lse,) = _unchecked(lambda infos, *a: _kernel(static, infos, save_residuals=True)(*a),
                            infos, q, kq, kv_, segment_ids, sinks)
+    o, lse = name_attention_residuals(o, lse)
     return _vary_as(o, q, k, v), ((q, kq, kv_, segment_ids, sinks, o, lse, infos[1], infos[2]), infos)
 
 
