@@ -39,11 +39,11 @@ RING_FROM_RANKS = 32
 def gathered_bytes(kv_bytes: float) -> float:
     """What an all-gather or all-to-all K/V exchange adds to a training step's peak memory per device,
     beyond the ring's, for ``kv_bytes`` of all-gathered K/V (one layer): ``GATHER_PEAK_FACTOR`` times
-    them. Measured on the compiled 1M-token Llama 3.1 8B step on v5p (B = 1, c = 64, bfloat16, FSDP,
-    remat, 2 layers; docs/guides/maxtext.md): 35.1 GiB against the ring's 11.9 for 4 GiB of K/V
-    (5.8x): the all-to-all's c copies in and out, the kernel's K and V layouts, and in the backward the
-    whole sequence's dK/dV in bfloat16 and float32, in and out of their all-to-all. With 32 layers the
-    step needed 99.5 GiB (the ring's: 45.9), which did not fit the chip's 95."""
+    them, an upper bound. The compiled 1M-token Llama 3.1 8B step on v5p (B = 1, c = 64, bfloat16, FSDP,
+    remat, layers scanned; docs/guides/maxtext.md), 2 layers: the all-to-all's 13.08 GiB against the
+    ring's 6.67 for 4 GiB of K/V (1.6x: its c copies in and out, the kernel's K and V layouts, the
+    backward's dK/dV in bfloat16); 5.8x with an unrolled step whose dK/dV travelled in float32. The rule
+    keeps 6: past it the ring also exposes less at these lengths (1M, c = 64: 24.5 against 258.6 ms)."""
     return GATHER_PEAK_FACTOR * kv_bytes
 
 
