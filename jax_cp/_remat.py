@@ -17,9 +17,23 @@ __all__ = ["ATTENTION_RESIDUALS", "save_attention_residuals", "name_attention_re
 
 ATTENTION_RESIDUALS = "jax_cp_attention_residuals"
 
-save_attention_residuals = jax.checkpoint_policies.save_only_these_names(ATTENTION_RESIDUALS)
-"""A ``jax.checkpoint`` policy that keeps the attention kernels' output and log-sum-exp (and nothing
-else); combine with others by ``jax.checkpoint_policies.save_from_both_policies``."""
+_SAVE = jax.checkpoint_policies.save_only_these_names(ATTENTION_RESIDUALS)
+
+
+def save_attention_residuals(prim, *avals, **params):
+    """A ``jax.checkpoint`` policy that keeps the attention kernels' output and log-sum-exp and nothing
+    else: ``jax.checkpoint(layer, policy=jax_cp.save_attention_residuals)``. Combine it with others by
+    ``jax.checkpoint_policies.save_from_both_policies``.
+
+    Args:
+        prim: the primitive ``jax.checkpoint`` asks about.
+        *avals: its operands' abstract values.
+        **params: its parameters.
+
+    Returns:
+        Whether its output is kept: true for the values named ``ATTENTION_RESIDUALS`` only.
+    """
+    return _SAVE(prim, *avals, **params)
 
 
 def name_attention_residuals(*xs):
