@@ -186,7 +186,8 @@ def compile_jax_cp(a, layers: int, out: str) -> None:
     llama.CONFIGS[name] = dataclasses.replace(base, num_layers=layers, head_dim=a.head_dim, num_heads=heads,
                                               num_kv_heads=kv_heads)
     cfg = train.TrainConfig(model=name, seq_len=a.seq_len, batch=a.batch, cp_colossal=a.cp_colossal,
-                            cp_ulysses=a.cp_ulysses, tp=a.tp, remat=True, remat_policy=a.jax_cp_remat, fsdp=True if a.jax_cp_fsdp else "auto",
+                            cp_ulysses=a.cp_ulysses, tp=a.tp, remat=True, remat_policy=a.jax_cp_remat,
+                            fsdp=True if a.jax_cp_fsdp else "auto",
                             kv_exchange=a.jax_cp_kv_exchange, scan_layers=not a.jax_cp_unrolled,
                             residual_dtype=a.jax_cp_residual_dtype,
                             fsdp_axes="dp,cp_colossal,cp_ulysses", plan=a.topology,
@@ -386,8 +387,9 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=4, help="global batch")
     p.add_argument("--head-dim", type=int, default=128, choices=(128, 256),
                    help="128 (Llama 3.1 8B) or 256 (16 query / 4 kv heads of 256, the same width)")
-    p.add_argument("--layers", type=int, nargs="+", default=[2, 4], help="decoder layers compiled: two or more cuts extrapolated to --full-layers, or --full-layers "
-                   "itself (the whole step, exact)")
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 4],
+                   help="decoder layers compiled: two or more cuts extrapolated to --full-layers, or --full-layers "
+                        "itself (the whole step, exact)")
     p.add_argument("--full-layers", type=int, default=32, help="the model's layer count, extrapolated to")
     p.add_argument("--cp-colossal", type=int, default=4)
     p.add_argument("--cp-ulysses", type=int, default=4)
@@ -552,10 +554,10 @@ def _run_maxtext(a, layers: int, path: str) -> None:
 
 
 def _print(a, chip, sides, results) -> None:
+    how = ("compiled whole" if a.full_layers in a.layers else
+           f"extrapolated from {' and '.join(map(str, a.layers[:2]))}-layer compiles (affine in the layer count)")
     print(f"\nOne training step, Llama 3.1 8B shapes (head_dim {a.head_dim}), {a.topology} ({chip.device_kind}), "
-          f"B={a.batch}, S={a.seq_len}; per device; {a.full_layers} layers "
-          + ("compiled whole\n" if a.full_layers in a.layers else f"extrapolated from {' and '.join(map(str, a.layers[:2]))}"
-             "-layer compiles (affine in the layer count)\n"))
+          f"B={a.batch}, S={a.seq_len}; per device; {a.full_layers} layers {how}\n")
     rows = [("arguments (GiB)", "arguments", _gib), ("temporaries (GiB)", "temporaries", _gib),
             ("peak (GiB)", "peak", _gib), ("CP collective bytes (GiB)", "cp_bytes", _gib),
             ("all collective bytes (GiB)", "all_coll_bytes", _gib),

@@ -128,9 +128,9 @@ class Hybrid(Llama):
     """
 
     def __init__(self, cfg: HybridConfig, *, mesh, dtype=jnp.bfloat16, fsdp: bool = False,
-                 fsdp_axes: tuple[str, ...] = (DP,), remat: bool | str = False, kernel: str = "auto", kv_exchange="auto",
-                 overlap_chunks: int | str = "auto", fused_qkv_chunks: int | str = "auto", scan_layers: bool = False,
-                 residual_dtype=jnp.float32, rngs: nnx.Rngs):
+                 fsdp_axes: tuple[str, ...] = (DP,), remat: bool | str = False, kernel: str = "auto",
+                 kv_exchange="auto", overlap_chunks: int | str = "auto", fused_qkv_chunks: int | str = "auto",
+                 scan_layers: bool = False, residual_dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg, self.mesh, self.dtype, self.remat = cfg, mesh, jnp.dtype(dtype), llama.remat_policy(remat)
         self.scan_layers, self.residual_dtype = scan_layers, llama._residual_dtype(residual_dtype)
         self.sharding = sharding = llama.model_sharding(mesh, cfg.d_model, fsdp=fsdp, fsdp_axes=fsdp_axes)

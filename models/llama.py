@@ -375,9 +375,9 @@ class Llama(nnx.Module):
     """
 
     def __init__(self, cfg: LlamaConfig, *, mesh, dtype=jnp.bfloat16, fsdp: bool = False,
-                 fsdp_axes: tuple[str, ...] = (DP,), remat: bool | str = False, kernel: str = "auto", kv_exchange="auto",
-                 overlap_chunks: int | str = "auto", fused_qkv_chunks: int | str = "auto", scan_layers: bool = False,
-                 residual_dtype=jnp.float32, rngs: nnx.Rngs):
+                 fsdp_axes: tuple[str, ...] = (DP,), remat: bool | str = False, kernel: str = "auto",
+                 kv_exchange="auto", overlap_chunks: int | str = "auto", fused_qkv_chunks: int | str = "auto",
+                 scan_layers: bool = False, residual_dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg, self.mesh, self.dtype, self.remat = cfg, mesh, jnp.dtype(dtype), remat_policy(remat)
         self.scan_layers, self.residual_dtype = scan_layers, _residual_dtype(residual_dtype)
         self.sharding = sharding = model_sharding(mesh, cfg.d_model, fsdp=fsdp, fsdp_axes=fsdp_axes)
@@ -660,7 +660,8 @@ def _fused_ce_bwd(cap, n, res, g):
         return dw + jnp.einsum("bsd,bsv->dv", h_c, d, preferred_element_type=jnp.float32), dh
 
     # The carry's type is the chunk's dw's: varying over every axis (tokens over dp and CP, vocabulary over tp).
-    dw, dh = jax.lax.scan(chunk, _varying(jnp.zeros(w.shape, jnp.float32)), (_ce_chunks(h, n), _ce_chunks(labels, n), _ce_chunks(weights, n), lse))
+    xs = (_ce_chunks(h, n), _ce_chunks(labels, n), _ce_chunks(weights, n), lse)
+    dw, dh = jax.lax.scan(chunk, _varying(jnp.zeros(w.shape, jnp.float32)), xs)
     dh = jnp.moveaxis(dh, 0, 1).reshape(h.shape)
     return dh, dw.astype(w.dtype), None, None  # both vary over every axis, as h and w do (fused_cross_entropy)
 

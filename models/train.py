@@ -94,7 +94,7 @@ class TrainConfig:
     use_sinks: bool = False  # every attention layer: a learned sink logit per query head
     prefix_lm: float | None = None  # a prefix-LM objective: this share of each document is a bidirectional prompt
     remat: bool = False
-    remat_policy: str = "full"  # with remat: what a block keeps beside its input (llama.REMAT)
+    remat_policy: str = "full"  # with remat: what a block keeps beside its input (one of REMAT)
     scan_layers: bool = True  # the blocks as one lax.scan over stacked parameters (models.llama.Llama)
     residual_dtype: str = "auto"  # the residual stream between blocks: auto (the compute --dtype), float32, bfloat16
     data: str | None = None
@@ -158,8 +158,8 @@ class TrainConfig:
         if self.prefix_lm is not None and self.model in hybrid.CONFIGS:
             raise ValueError(f"--prefix-lm={self.prefix_lm} needs bidirectional prompts, which the recurrent layers "
                              f"of --model={self.model} cannot see; train it without --prefix-lm.")
-        if self.remat_policy not in llama.REMAT:
-            raise ValueError(f"--remat-policy={self.remat_policy!r} must be one of {llama.REMAT}.")
+        if self.remat_policy not in REMAT:
+            raise ValueError(f"--remat-policy={self.remat_policy!r} must be one of {REMAT}.")
         if self.remat_policy != "full" and not self.remat:
             raise ValueError(f"--remat-policy={self.remat_policy} says what remat keeps; add --remat (or drop it).")
         if self.fsdp not in (True, False, "auto"):
@@ -751,8 +751,8 @@ def splash_flops(cfg: TrainConfig, model_cfg, dims) -> float:
     """Per-device FLOPs of one training step's splash kernels, which the compiler counts as none.
 
     Per attention layer and visible (query, key) pair, ``2 d`` FLOPs per matmul and head: the forward's
-    2 matmuls, their rerun under ``--remat`` (not with ``--remat-policy attention``), and the backward's 7 (the dq and dK/dV kernels both
-    recompute the scores). Pairs: one causal document per row (a sliding layer's window), spread
+    2 matmuls, their rerun under ``--remat`` (not with ``--remat-policy attention``), and the backward's 7
+    (the dq and dK/dV kernels both recompute the scores). Pairs: one causal document per row (a sliding layer's window), spread
     evenly over ``cp_colossal`` as the load-balanced orders do; heads over ``tp * cp_ulysses``, rows
     over ``dp``.
     """
