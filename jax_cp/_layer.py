@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_cp._body import attention_shard, check_dtype, kernel_for_dtype, metadata_sides, placed_metadata, shard_call
 from jax_cp._defaults import AUTO
-from jax_cp._mesh import CP, DP, TP, gather, gather_dims, mesh_dims, place, unshard
+from jax_cp._mesh import CP, DP, TP, after, gather, gather_dims, mesh_dims, place, unshard
 from jax_cp._meta import Meta
 from jax_cp._params import init_param, param_shapes
 from jax_cp._projection import LinearProjections
@@ -96,19 +96,36 @@ def storage_specs(spec: AttentionSpec, mesh, sharding: AttentionSharding | None 
     return (sharding or AttentionSharding()).resolve(_compute_specs(spec, spec.layout(mesh_dims(mesh))))
 
 
-def _unshard_params(params: dict, stored: tuple, dtype) -> dict:
+FIRST_GATHERED = ("k_kernel", "v_kernel")  # FSDP without Ulysses: gathered before the layer's other weights
+
+
+def _unshard_params(params: dict, stored: tuple, dtype, staged: bool) -> dict:
     """Inside the layer's ``shard_map``: the parameters ``stored`` names (``(name, storage spec, compute spec)``)
     all-gathered from their storage blocks (``_mesh.unshard``; kernels cast to ``dtype`` first), so each
-    one's gradient is a reduce-scatter of this device's partial sum."""
+    one's gradient is a reduce-scatter of this device's partial sum.
+
+    ``staged``: the K and V kernels first, the others once those have arrived (``_mesh.after``). Left
+    independent, XLA combines every gather of the layer into one collective that the first projection
+    waits for whole (80 MiB a layer on a TPU7x pod, tp = 1); staged, the K/V projection waits for 16 MiB
+    and the Q and O kernels' gather can run under it (``benchmarks/RESULTS.md``, beside MaxText)."""
     layouts = {name: (st, sp) for name, st, sp in stored}
-    return {k: unshard(v, *layouts[k], dtype if k.endswith("_kernel") else None) if k in layouts else v
-            for k, v in params.items()}
+    gather_ = lambda k, v: unshard(v, *layouts[k], dtype if k.endswith("_kernel") else None)  # noqa: E731
+    out = dict(params)
+    first = [k for k in FIRST_GATHERED if staged and k in layouts and k in params]
+    for k in first:
+        out[k] = gather_(k, params[k])
+    dep = tuple(out[k] for k in first)
+    for k in layouts:
+        if k not in first and k in params:
+            out[k] = gather_(k, after(params[k], dep) if dep else params[k])
+    return out
 
 
 def _layer_shard(params, x_BSD, *args, spec: AttentionSpec, layout: Layout, dtype, stored: tuple = (),
                  split: bool = False):
     *kv_x, meta = args  # cross attention's K/V inputs, then the metadata
-    params = _unshard_params(params, stored, dtype)
+    # Staged where no Ulysses all-to-all wants Q first: the colossal exchanges start from K/V.
+    params = _unshard_params(params, stored, dtype, staged=layout.dims.u == 1 and not kv_x)
     projections = LinearProjections.build(params, x_BSD, meta.pos, spec=spec, layout=layout, dtype=dtype,
                                           kv_x=tuple(kv_x), kv_pos_BS=meta.kv_pos, split=split)
     return attention_shard(projections, meta, spec=spec)

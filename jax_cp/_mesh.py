@@ -173,6 +173,31 @@ def _gather_blocks(w, dims):
     return w
 
 
+@jax.custom_vjp
+def after(x, dep):
+    """``x``, computed only once every array of ``dep`` is: a collective on the result can neither start
+    before ``dep`` exists nor be combined with one that produces it. The tie is data, not an
+    ``optimization_barrier`` (whose control edges the TPU compiler's loop passes drop): one float32 element
+    of each ``dep`` array times zero, added to ``x`` (exact for finite values; IEEE keeps XLA from folding
+    ``y * 0``). The gradient passes to ``x`` unchanged; ``dep`` gets none from here."""
+    leaves = jax.tree.leaves(dep)
+    if not leaves:
+        return x
+    zero = sum(jnp.ravel(a)[0].astype(jnp.float32) for a in leaves) * jnp.float32(0)
+    return x + zero.astype(x.dtype)
+
+
+def _after_fwd(x, dep):
+    return after(x, dep), None
+
+
+def _after_bwd(_, g):
+    return g, None
+
+
+after.defvjp(_after_fwd, _after_bwd)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _unshard(w, dims, dtype):
     return _gather_blocks(w.astype(dtype), dims)

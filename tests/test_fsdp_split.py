@@ -247,3 +247,56 @@ def test_unshard_gradient_eagerly():
         return jnp.sum(jnp.sin(y))
 
     assert_close(jax.grad(loss)(w), jax.grad(lambda w: jnp.sum(jnp.sin(x @ w)))(w), jnp.float32, "dW eagerly")
+
+
+def _sub_jaxprs(eqn):
+    for v in eqn.params.values():
+        for j in v if isinstance(v, (tuple, list)) else (v,):
+            inner = getattr(j, "jaxpr", j)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def _has(eqn, name: str) -> bool:
+    return eqn.primitive.name == name or any(_has(e, name) for j in _sub_jaxprs(eqn) for e in j.eqns)
+
+
+@pytest.mark.parametrize("u", [1, 2])
+def test_fsdp_layer_gathers_kv_weights_first_without_ulysses(u):
+    """Without Ulysses the layer's FSDP weight gathers run in two stages: the K and V kernels', then the
+    others' once those have arrived, so XLA cannot combine all four into one collective that the first
+    projection waits for whole (on a TPU7x pod: one 80 MiB gather a layer, docs/guides/maxtext.md). With
+    Ulysses (Q's all-to-all leaves first) they stay independent. Read from the traced program's dataflow."""
+    mesh = jax_cp.make_mesh(dp=2, cp_colossal=2 // u, cp_ulysses=u, tp=2, axis_types=AxisType.Auto)
+    kw = dict(num_kv_heads=4, is_causal=True)
+    compute = jax_cp.param_specs(jax_cp.CPAttention(H, D, mesh=mesh, rngs=nnx.Rngs(0), **kw).spec, mesh)
+    names = ("q_kernel", "k_kernel", "v_kernel", "o_kernel")
+    d_dim = {"q_kernel": 0, "k_kernel": 0, "v_kernel": 0, "o_kernel": 2}  # D, where FSDP stores them split
+    fsdp = jax_cp.AttentionSharding(**{k: P(*[("dp", "cp_colossal", "cp_ulysses") if i == d_dim[k] else a
+                                              for i, a in enumerate(getattr(compute, k))]) for k in names})
+    model = jax_cp.CPAttention(H, D, mesh=mesh, sharding=fsdp, rngs=nnx.Rngs(0), **kw)
+    shapes = {k: tuple(np.shape(v)) for k, v in nnx.to_pure_dict(nnx.state(model)).items()}
+    tp = 2  # each device's compute block: the whole kernel but its tp-split dimension (heads, or O's rows)
+    local = {k: tuple(n // tp if i == (0 if k == "o_kernel" else 1) else n for i, n in enumerate(shapes[k]))
+             for k in names}
+    x = jax.random.normal(jax.random.key(0), (B, S, D))
+    jaxpr = jax.make_jaxpr(lambda x: model(x))(x).jaxpr
+    body = next(j for e in jaxpr.eqns if _has(e, "shard_map") for j in _sub_jaxprs(e)
+                if any(_has(q, "all_gather") for q in j.eqns))
+    while not any(e.primitive.name == "custom_vjp_call" or "custom_vjp" in e.primitive.name for e in body.eqns):
+        body = next(j for e in body.eqns for j in _sub_jaxprs(e) if any(_has(q, "all_gather") for q in j.eqns))
+    deps, gathers = {}, {}  # var -> the weight gathers it derives from; weight name -> its gather's deps
+    for e in body.eqns:
+        src = set().union(*(deps.get(v, set()) for v in e.invars if not hasattr(v, "val")))
+        out_shape = tuple(e.outvars[0].aval.shape) if e.outvars else ()
+        weight = next((k for k in names if _has(e, "all_gather") and out_shape == local[k] and k not in gathers
+                       and "custom_vjp" in e.primitive.name), None)
+        if weight is not None:
+            gathers.setdefault(weight, set()).update(src)
+            src = src | {weight}
+        for v in e.outvars:
+            deps[v] = src
+    assert set(gathers) == set(names), gathers
+    first = {"k_kernel", "v_kernel"} if u == 1 else set()
+    assert all(gathers[k] == set() for k in first), gathers
+    assert all(gathers[k] == first for k in names if k not in first), gathers
