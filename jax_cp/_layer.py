@@ -107,7 +107,7 @@ def _unshard_params(params: dict, stored: tuple, dtype, staged: bool) -> dict:
     ``staged``: the K and V kernels first, the others once those have arrived (``_mesh.after``). Left
     independent, XLA combines every gather of the layer into one collective that the first projection
     waits for whole (80 MiB a layer on a TPU7x pod, tp = 1); staged, the K/V projection waits for 16 MiB
-    and the Q and O kernels' gather can run under it (``benchmarks/RESULTS.md``, beside MaxText)."""
+    and the Q and O kernels' gather can run under it (docs/guides/maxtext.md, "Ironwood")."""
     layouts = {name: (st, sp) for name, st, sp in stored}
     gather_ = lambda k, v: unshard(v, *layouts[k], dtype if k.endswith("_kernel") else None)  # noqa: E731
     out = dict(params)
