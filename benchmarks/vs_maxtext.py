@@ -171,6 +171,24 @@ def _write_compiled(out: str, compiled, mesh, compile_s: float, info: dict) -> N
 # The jax_cp side (the project's venv)
 
 
+# How MaxText's train_compile describes these pods to libtpu (maxtext.utils.accelerator_to_spec_map, 0.2.5):
+# topology name, chip config, chips per host, wraparound links. jax_cp.plan asks libtpu for the name alone.
+MAXTEXT_TOPOLOGIES = {
+    "v5p:4x4x4": ("v5:4x4x4", "megacore", (2, 2, 1), (True, True, True)),
+    "tpu7x:4x4x4": ("tpu7x:4x4x4", "default", (2, 2, 1), (True, True, True)),
+}
+
+
+def maxtext_topology_kwargs(topology: str) -> dict:
+    """``get_topology_desc`` keywords that describe ``topology`` as MaxText's train_compile does."""
+    if topology not in MAXTEXT_TOPOLOGIES:
+        raise ValueError(f"--topology {topology} has no MaxText description here (known: "
+                         f"{', '.join(MAXTEXT_TOPOLOGIES)}); use --jax-cp-topology plan.")
+    name, chip_config, per_host, wrap = MAXTEXT_TOPOLOGIES[topology]
+    return dict(platform="tpu", topology_name=name, chip_config_name=chip_config, chips_per_host_bounds=per_host,
+                num_slices=1, wrap=wrap)
+
+
 def compile_jax_cp(a, layers: int, out: str) -> None:
     """``models.train.plan_train_step`` of Llama 3 8B cut to ``layers`` layers, the compiler's dump kept."""
     import dataclasses
@@ -193,6 +211,12 @@ def compile_jax_cp(a, layers: int, out: str) -> None:
                             fsdp_axes="dp,cp_colossal,cp_ulysses", plan=a.topology,
                             progress=False)
     dump = os.path.join(out, "dump")
+    if a.jax_cp_topology == "maxtext":  # the planner's cache of topology descriptions, filled with MaxText's
+        from jax.experimental import topologies
+        from jax_cp.plan import _analyze
+
+        _analyze._allow_shared_libtpu()
+        _analyze._TOPOLOGIES[a.topology] = topologies.get_topology_desc(**maxtext_topology_kwargs(a.topology))
 
     def analyze_program(fn, args, *, topology, mesh, label="program", memory_budget=None, xla_flags=None,
                         donate_argnums=(), layer=None):  # plan.analyze_program's compile, the dump kept
@@ -405,6 +429,9 @@ def main(argv=None) -> None:
     p.add_argument("--jax-cp-remat", choices=("full", "attention"), default="full",
                    help="what jax_cp's remat keeps (models.train --remat-policy): full recomputes every layer, as "
                         "MaxText's recipe; attention also keeps the attention kernels' outputs (no kernel rerun)")
+    p.add_argument("--jax-cp-topology", choices=("plan", "maxtext"), default="plan",
+                   help="the pod description jax_cp compiles for: jax_cp.plan's (libtpu's default for the name) or "
+                        "MaxText's (its chip config, chips per host and wraparound links: the same pod as its side)")
     p.add_argument("--jax-cp-unrolled", action="store_true", help="jax_cp unrolls its blocks "
                    "(models.train --no-scan-layers; default: one lax.scan, as MaxText scans its layers)")
     p.add_argument("--maxtext-cp-strategy", default="all_gather", choices=("all_gather", "ring", "ulysses", "usp"),
@@ -427,6 +454,8 @@ def main(argv=None) -> None:
     if a.maxtext_driver:
         return maxtext_driver(a.maxtext_driver, [r for r in rest if r != "--"])
     a.cp = a.cp_colossal * a.cp_ulysses
+    if a.jax_cp_topology == "maxtext":
+        maxtext_topology_kwargs(a.topology)  # a clear error before any compile
     a.out = os.path.abspath(a.out)
 
     from jax_cp import plan
@@ -436,6 +465,7 @@ def main(argv=None) -> None:
         "jax_cp" + ("-fsdp" if a.jax_cp_fsdp else "") + ("-unrolled" if a.jax_cp_unrolled else "-scan")
         + ("-f32res" if a.jax_cp_residual_dtype == "float32" else "")
         + ("-keepattn" if a.jax_cp_remat == "attention" else "")
+        + ("-mtpod" if a.jax_cp_topology == "maxtext" else "")
         + ("" if a.jax_cp_kv_exchange == "auto" else f"-{a.jax_cp_kv_exchange}"): ("jax_cp", ("cp_colossal", "cp_ulysses")),
         f"maxtext-{a.maxtext_cp_strategy}-{a.maxtext_remat}" + ("-jaxcpflags" if a.maxtext_flags == "jax_cp" else ""):
             ("maxtext", ("context",)),

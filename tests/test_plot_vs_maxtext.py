@@ -44,3 +44,21 @@ def test_the_whole_step_is_taken_as_compiled_and_cuts_are_extrapolated():
     assert vs_maxtext.extrapolate({**cuts, **whole}, 32) == {"peak": 69.0, "exposed_s": 8.0, "step_s": None}
     with pytest.raises(SystemExit, match=r"--layers=\[4\]: two layer counts .* the model's 32 \(--full-layers\)"):
         vs_maxtext.extrapolate({4: cuts[4]}, 32)
+
+
+def test_jax_cp_can_compile_for_maxtexts_description_of_the_pod():
+    """``--jax-cp-topology maxtext``: libtpu takes MaxText's description of each pod the comparison uses (its
+    chip config, chips per host, wraparound links) and gives the same devices as jax_cp.plan's; other
+    topologies get a ValueError that names the option."""
+    import vs_maxtext
+    from jax.experimental import topologies
+
+    from jax_cp import plan
+
+    for name, devices in (("tpu7x:4x4x4", 128), ("v5p:4x4x4", 64)):
+        kw = vs_maxtext.maxtext_topology_kwargs(name)
+        assert kw["wrap"] == (True, True, True) and kw["chips_per_host_bounds"] == (2, 2, 1)
+        theirs = topologies.get_topology_desc(**kw).devices
+        assert len(theirs) == len(plan.get_topology(name).devices) == devices
+    with pytest.raises(ValueError, match=r"--topology v5e:4x4 has no MaxText description.*--jax-cp-topology plan"):
+        vs_maxtext.maxtext_topology_kwargs("v5e:4x4")
