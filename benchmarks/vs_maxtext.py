@@ -211,12 +211,8 @@ def compile_jax_cp(a, layers: int, out: str) -> None:
                             fsdp_axes="dp,cp_colossal,cp_ulysses", plan=a.topology,
                             progress=False)
     dump = os.path.join(out, "dump")
-    if a.jax_cp_topology == "maxtext":  # the planner's cache of topology descriptions, filled with MaxText's
-        from jax.experimental import topologies
-        from jax_cp.plan import _analyze
-
-        _analyze._allow_shared_libtpu()
-        _analyze._TOPOLOGIES[a.topology] = topologies.get_topology_desc(**maxtext_topology_kwargs(a.topology))
+    if a.jax_cp_topology == "maxtext":  # every later plan for this name compiles for MaxText's description
+        plan.set_topology(a.topology, **maxtext_topology_kwargs(a.topology))
 
     def analyze_program(fn, args, *, topology, mesh, label="program", memory_budget=None, xla_flags=None,
                         donate_argnums=(), layer=None):  # plan.analyze_program's compile, the dump kept

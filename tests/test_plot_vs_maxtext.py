@@ -60,5 +60,11 @@ def test_jax_cp_can_compile_for_maxtexts_description_of_the_pod():
         assert kw["wrap"] == (True, True, True) and kw["chips_per_host_bounds"] == (2, 2, 1)
         theirs = topologies.get_topology_desc(**kw).devices
         assert len(theirs) == len(plan.get_topology(name).devices) == devices
+    ours = plan.get_topology("tpu7x:4x4x4")
+    try:  # plan.set_topology: later plans for the name use the description given
+        given = plan.set_topology("tpu7x:4x4x4", **vs_maxtext.maxtext_topology_kwargs("tpu7x:4x4x4"))
+        assert plan.get_topology("tpu7x:4x4x4") is given is not ours
+    finally:
+        plan.set_topology("tpu7x:4x4x4")  # back to the name alone, for the tests after this one
     with pytest.raises(ValueError, match=r"--topology v5e:4x4 has no MaxText description.*--jax-cp-topology plan"):
         vs_maxtext.maxtext_topology_kwargs("v5e:4x4")

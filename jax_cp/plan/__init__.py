@@ -15,7 +15,8 @@ A whole training step: ``python -m models.train --plan TOPOLOGY ...``
 (``models.train.plan_train_step``), or ``analyze_program`` for your own.
 """
 from jax_cp.plan._analyze import (
-    STRATEGIES, analyze, analyze_program, compare, get_topology, kv_exchanges, parse_layout, topology_mesh,
+    STRATEGIES, analyze, analyze_program, compare, get_topology, kv_exchanges, parse_layout, set_topology,
+    topology_mesh,
 )
 from jax_cp.plan._build import LayerShape, cp_layer, naive_layer
 from jax_cp._chips import CHIPS, Chip, chip_for
@@ -34,5 +35,5 @@ __all__ = [
     "analysis_of", "analyze_schedule", "apply_for_this_host", "apply_recommended_flags", "chip_for", "compare", "compiler_options",
     "cp_layer", "format_programs", "get_topology", "kv_exchanges", "loop_bytes", "naive_layer", "parse_layout",
     "parse_module",
-    "recommended_xla_flags", "timeline", "topology_mesh", "verdict",
+    "recommended_xla_flags", "set_topology", "timeline", "topology_mesh", "verdict",
 ]

@@ -104,6 +104,30 @@ def get_topology(name: str):
     return _TOPOLOGIES[name]
 
 
+def set_topology(name: str, **description):
+    """Describes the TPU topology ``name`` to libtpu with ``description`` (``get_topology_desc``'s keywords:
+    ``topology_name``, ``chip_config_name``, ``chips_per_host_bounds``, ``wrap``, ...) and makes it the one
+    every later plan for ``name`` compiles for (``get_topology`` asks for the name alone), e.g. a pod
+    described as another framework describes it.
+
+    Args:
+        name: the topology name plans use (e.g. ``"tpu7x:4x4x4"``).
+        **description: ``jax.experimental.topologies.get_topology_desc`` keywords (``platform="tpu"`` and
+            ``topology_name=name`` unless given).
+
+    Returns:
+        libtpu's topology description.
+    """
+    chip_for(name)
+    _allow_shared_libtpu()
+    from jax.experimental import topologies
+
+    description = {"platform": "tpu", "topology_name": name, **description}
+    with _quiet_libtpu():
+        _TOPOLOGIES[name] = topologies.get_topology_desc(**description)
+    return _TOPOLOGIES[name]
+
+
 def _layer_shape(model, *, batch, seq_len, **kw) -> LayerShape:
     spec = model if isinstance(model, ModelSpec) else model_spec(model)
     kw.setdefault("rope_theta", spec.rope_theta)
