@@ -211,8 +211,6 @@ def compile_jax_cp(a, layers: int, out: str) -> None:
                             fsdp_axes="dp,cp_colossal,cp_ulysses", plan=a.topology,
                             progress=False)
     dump = os.path.join(out, "dump")
-    if a.jax_cp_topology == "maxtext":  # every later plan for this name compiles for MaxText's description
-        plan.set_topology(a.topology, **maxtext_topology_kwargs(a.topology))
 
     def analyze_program(fn, args, *, topology, mesh, label="program", memory_budget=None, xla_flags=None,
                         donate_argnums=(), layer=None):  # plan.analyze_program's compile, the dump kept
@@ -450,11 +448,12 @@ def main(argv=None) -> None:
     if a.maxtext_driver:
         return maxtext_driver(a.maxtext_driver, [r for r in rest if r != "--"])
     a.cp = a.cp_colossal * a.cp_ulysses
-    if a.jax_cp_topology == "maxtext":
-        maxtext_topology_kwargs(a.topology)  # a clear error before any compile
     a.out = os.path.abspath(a.out)
 
     from jax_cp import plan
+
+    if a.jax_cp_topology == "maxtext":  # every plan for this name, jax_cp's side's, compiles for MaxText's description
+        plan.set_topology(a.topology, **maxtext_topology_kwargs(a.topology))
 
     chip = plan.chip_for(a.topology)
     sides = {

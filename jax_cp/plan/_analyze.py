@@ -90,17 +90,24 @@ def get_topology(name: str):
     Raises:
         ValueError: the chip is unknown, or libtpu does not know the topology.
     """
-    chip_for(name)  # a clear error for unknown chips before libtpu is asked
     if name not in _TOPOLOGIES:
-        _allow_shared_libtpu()
-        from jax.experimental import topologies
+        _describe(name)
+    return _TOPOLOGIES[name]
 
-        try:
-            with _quiet_libtpu():  # libtpu reads its environment once, at its first topology
-                _TOPOLOGIES[name] = topologies.get_topology_desc(platform="tpu", topology_name=name)
-        except Exception as e:  # libtpu raises JaxRuntimeError with its own wording
-            raise ValueError(f"topology={name!r} is not a TPU topology libtpu knows ({e}); "
-                             "use e.g. 'v5e:4x4', 'v5p:4x4x4', 'v6e:16x16'.") from None
+
+def _describe(name: str, **description):
+    """libtpu's description of ``name`` (``get_topology_desc`` with ``description``), cached for ``name``."""
+    chip_for(name)  # a clear error for unknown chips before libtpu is asked
+    _allow_shared_libtpu()
+    from jax.experimental import topologies
+
+    description = {"platform": "tpu", "topology_name": name, **description}
+    try:
+        with _quiet_libtpu():  # libtpu reads its environment once, at its first topology
+            _TOPOLOGIES[name] = topologies.get_topology_desc(**description)
+    except Exception as e:  # libtpu raises JaxRuntimeError with its own wording
+        raise ValueError(f"topology={name!r} is not a TPU topology libtpu knows ({e}); "
+                         "use e.g. 'v5e:4x4', 'v5p:4x4x4', 'v6e:16x16'.") from None
     return _TOPOLOGIES[name]
 
 
@@ -117,15 +124,11 @@ def set_topology(name: str, **description):
 
     Returns:
         libtpu's topology description.
-    """
-    chip_for(name)
-    _allow_shared_libtpu()
-    from jax.experimental import topologies
 
-    description = {"platform": "tpu", "topology_name": name, **description}
-    with _quiet_libtpu():
-        _TOPOLOGIES[name] = topologies.get_topology_desc(**description)
-    return _TOPOLOGIES[name]
+    Raises:
+        ValueError: the chip is unknown, or libtpu does not take the description.
+    """
+    return _describe(name, **description)
 
 
 def _layer_shape(model, *, batch, seq_len, **kw) -> LayerShape:
