@@ -295,6 +295,19 @@ def test_describe_says_what_auto_chose_and_why():
         jax_cp.describe_kernel(kernel="splash", platform="tpu", local_window_size=(4, 0), kv_len=10**5)
 
 
+def test_splash_blocks_keep_the_mask_grid_within_smem():
+    """Splash prefetches its block-grid masks into SMEM (1 MiB on v5p): 512 x 512 blocks of 512 (16M tokens
+    on 64 chips, 262144 a device) overflowed it by 257 KiB in the TPU compiler. Blocks of 512 (or the
+    largest of 256/128 dividing) up to ``MAX_BLOCKS`` of them a side; beyond, 1024 or 2048."""
+    from jax_cp.kernels._splash import MAX_BLOCKS, _block
+
+    assert [_block(n) for n in (128, 384, 4096, 65536, 196608)] == [128, 128, 512, 512, 512]
+    for n in (229376, 262144, 393216, 786432):
+        b = _block(n)
+        assert b in (1024, 2048) and n % b == 0 and n // b <= MAX_BLOCKS, (n, b)
+    assert 5 * MAX_BLOCKS**2 < 2**20  # an int32 and an int8 a pair of blocks
+
+
 def test_splash_needs_its_private_entry_points(monkeypatch):
     """Splash runs on one private piece of JAX (the backward from given residuals); both JAX lines we
     test have it. On a release without it ``auto`` runs blockwise and says why, and an explicit

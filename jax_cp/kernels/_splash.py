@@ -38,6 +38,7 @@ import numpy as np
 from jax import lax
 
 from jax_cp._masks import normalize_window
+from jax_cp._mesh import after
 from jax_cp._remat import name_attention_residuals
 from jax_cp._softmax import check_soft_cap, fold_sinks, merge_softmax, sinks_grad
 from jax_cp._vma import unchecked as _unchecked, vary_as as _vary_as
@@ -103,8 +104,17 @@ def splash_unsupported_reason(*, window, kv_len: int | None = None, max_logits: 
     return unavailable_reason()
 
 
+# Splash prefetches a call's block-grid masks (an int32 and an int8 per pair of blocks) into SMEM, 1 MiB on
+# v5p: 448 x 448 blocks of 512 fit (14M tokens on 64 chips), 512 x 512 did not (16M, 1.25 MiB).
+MAX_BLOCKS = 384
+
+
 def _block(length: int) -> int:
-    """Largest of 512/256/128 dividing the (padded) length."""
+    """The block size along a (padded) length: 512 (else 256 or 128, the largest dividing it), or 1024 or
+    2048 where 512 would cut it into more than ``MAX_BLOCKS`` blocks."""
+    if length % 512 == 0 and length // 512 > MAX_BLOCKS:
+        return next((b for b in (1024, 2048) if length % b == 0 and length // b <= MAX_BLOCKS), 2048
+                    if length % 2048 == 0 else 1024 if length % 1024 == 0 else 512)
     return next(b for b in (512, 256, 128) if length % b == 0)
 
 
@@ -575,6 +585,7 @@ def _ring_known(step: RingStep, qx, kv, ahead):
     if ahead is None:
         raise ValueError("a ring step with natural positions needs ahead= (how many places before the queries' "
                          "own chunk the ring holds this one), as the ring's loops pass it.")
+    ahead = after(jnp.asarray(ahead, jnp.int32), qx)  # per layer, as the ring ties its positions (ring.py)
     Tp, Sp = qx.shape[2], kv[0].shape[2]
     masks = lambda keys: _natural_info(Tp, Sp, step.T, step.T, step.is_causal, None, keys)
     known = masks("same")
