@@ -19,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, PartitionSpec as P
 
 import jax_cp
@@ -463,6 +464,7 @@ class Llama(nnx.Module):
         x_BSD = jax_cp.place(x_BSD.astype(self.residual_dtype), m, sh.residual_BSD)
 
         def apply(block, x, pos, seg, span):
+            x = checkpoint_name(x, BLOCK_INPUT)  # what remat="offload" keeps in host memory
             return jax_cp.place(block(x, pos, seg, infer, sh, span), m, sh.residual_BSD)
 
         if self.scan_layers and infer is None:
@@ -505,22 +507,30 @@ class Llama(nnx.Module):
         return x_BSD
 
 
-REMAT = ("full", "attention")  # what a rematerialised block recomputes: all of it / all but its attention
-_POLICIES = {"full": None, "attention": jax_cp.save_attention_residuals}
+REMAT = ("full", "attention", "offload")  # what a rematerialised block keeps beside its input (remat_policy)
+BLOCK_INPUT = "block_input"  # each block's input, by name: remat="offload" keeps it in host memory
+_POLICIES = {"full": None, "attention": jax_cp.save_attention_residuals,
+             "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+                 names_which_can_be_saved=[], names_which_can_be_offloaded=[BLOCK_INPUT],
+                 offload_src="device", offload_dst="pinned_host")}
 
 
 def remat_policy(remat) -> str | None:
     """``None`` (no remat) or the name of what a block keeps for a model's ``remat``: ``False``; ``True`` or
     ``"full"`` (every block recomputed in the backward pass from its input); ``"attention"`` (the same,
     keeping also its attention kernel's output and log-sum-exp, ``jax_cp.save_attention_residuals``: the
-    backward pass does not rerun the attention)."""
+    backward pass does not rerun the attention); ``"offload"`` (as ``"full"``, with each block's input
+    kept in the host's memory, ``pinned_host``, instead of the device's: the longest contexts, where those
+    inputs, ``L x B x S/c x D`` a device, are what fills it; they travel to the host in the forward pass and
+    back in the backward)."""
     if remat is False or remat is None:
         return None
     name = "full" if remat is True else remat
     if name not in REMAT:
-        raise ValueError(f"remat={remat!r} must be False, True, 'full' or 'attention' ('attention' keeps each "
-                         "block's attention output and log-sum-exp so the backward pass does not rerun the kernel; "
-                         "'full' recomputes the whole block).")
+        raise ValueError(f"remat={remat!r} must be False, True, 'full', 'attention' or 'offload' ('attention' "
+                         "keeps each block's attention output and log-sum-exp so the backward pass does not rerun "
+                         "the kernel; 'full' recomputes the whole block; 'offload' recomputes it and keeps its "
+                         "input in host memory).")
     return name
 
 

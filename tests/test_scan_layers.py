@@ -161,8 +161,8 @@ def test_the_scanned_step_sums_its_layer_outputs_over_tp_in_bfloat16(monkeypatch
     pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
     monkeypatch.setattr(llama, "TP_CHUNKS", 1)
     cfg = train.TrainConfig(model="tiny", seq_len=2048, batch=2, cp_colossal=2, cp_ulysses=2, tp=2, fsdp=True,
-                            remat=True, kv_exchange="auto", overlap_chunks=2, kernel="blockwise",
-                            residual_dtype="float32")
+                            remat=True, remat_policy="full", kv_exchange="auto", overlap_chunks=2,
+                            kernel="blockwise", residual_dtype="float32")
     a = train.plan_train_step(cfg, "v5p:2x2x2")
     rs = [c for c in a.schedule.collectives if c.axes == ("tp",) and c.kind == "reduce-scatter" and c.in_loop]
     d_model = llama.get_config("tiny").d_model
@@ -177,13 +177,33 @@ def test_the_mlp_hides_its_tp_collectives_under_its_token_pieces():
     matmul inside)."""
     pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
     cfg = train.TrainConfig(model="tiny", seq_len=2048, batch=2, cp_colossal=2, cp_ulysses=2, tp=2, fsdp=True,
-                            remat=True, kv_exchange="auto", overlap_chunks=2, kernel="blockwise")
+                            remat=True, remat_policy="full", kv_exchange="auto", overlap_chunks=2,
+                            kernel="blockwise")
     a = train.plan_train_step(cfg, "v5p:2x2x2")
     half = 2 * cfg.batch * cfg.seq_len // 4 * llama.get_config("tiny").d_model // llama.TP_CHUNKS
     pieces = [c for c in a.schedule.collectives if c.axes == ("tp",) and c.in_loop and c.bytes == half
               and c.kind in ("all-gather", "reduce-scatter")]
     assert {c.kind for c in pieces} == {"all-gather", "reduce-scatter"}, pieces
     assert sum(c.overlapped for c in pieces) >= 3, [(c.kind, c.phase, c.overlapped) for c in pieces]
+
+
+def _as_full_remat(scan_layers: bool, remat: str, capsys) -> dict:
+    """Tiny on (2, 2, 2) with ``remat`` gives full remat's loss and gradients (float32 tolerances); returns
+    what the backward pass reads from the forward under each (``print_saved_residuals``' lines, counted)."""
+    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2, axis_types=AxisType.Auto)
+    (loss, grads), _ = _loss_and_grads("tiny", 2, mesh, scan_layers, True)
+    (loss_r, grads_r), _ = _loss_and_grads("tiny", 2, mesh, scan_layers, remat)
+    tol = TOL[jnp.dtype(jnp.float32)]
+    np.testing.assert_allclose(float(loss_r), float(loss), **tol)
+    for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
+    kept = {}
+    for r in (True, remat):
+        f, state = _loss("tiny", 2, mesh, scan_layers, r)
+        with jax.set_mesh(mesh):
+            jax.ad_checkpoint.print_saved_residuals(f, state)
+        kept[r] = collections.Counter(capsys.readouterr().out.splitlines())
+    return kept
 
 
 @needs_devices(8)
@@ -194,19 +214,7 @@ def test_remat_keeping_the_attention_equals_full_remat(scan_layers, capsys):
     (2, 2, 2), scanned and looped, gives full remat's loss and gradients (float32 tolerances), and what the
     backward pass reads from the forward (``jax.ad_checkpoint.print_saved_residuals``) is full remat's and
     exactly those two arrays of every layer, B*S*H*d and B*S*H elements (stacked by the scan)."""
-    mesh = jax_cp.make_mesh(cp_colossal=2, cp_ulysses=2, tp=2, axis_types=AxisType.Auto)
-    (loss, grads), _ = _loss_and_grads("tiny", 2, mesh, scan_layers, True)
-    (loss_a, grads_a), _ = _loss_and_grads("tiny", 2, mesh, scan_layers, "attention")
-    tol = TOL[jnp.dtype(jnp.float32)]
-    np.testing.assert_allclose(float(loss_a), float(loss), **tol)
-    for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
-    kept = {}
-    for remat in (True, "attention"):
-        f, state = _loss("tiny", 2, mesh, scan_layers, remat)
-        with jax.set_mesh(mesh):
-            jax.ad_checkpoint.print_saved_residuals(f, state)
-        kept[remat] = collections.Counter(capsys.readouterr().out.splitlines())
+    kept = _as_full_remat(scan_layers, "attention", capsys)
     assert not kept[True] - kept["attention"]
     extra = kept["attention"] - kept[True]
     sizes = sorted(math.prod(map(int, line.split("[")[1].split("]")[0].split(","))) * n for line, n in extra.items())
@@ -214,11 +222,35 @@ def test_remat_keeping_the_attention_equals_full_remat(scan_layers, capsys):
     assert sizes == [B * S * H * L, B * S * H * d * L]  # each layer's pair (the scan's stacked): elements
 
 
+def _saved_elements(lines: collections.Counter) -> tuple[int, int]:
+    """``(device, host)`` elements of ``print_saved_residuals``'s lines (``f32<host>[...]``: host memory)."""
+    out = [0, 0]
+    for line, n in lines.items():
+        shape = line.split("[")[1].split("]")[0]
+        out["<host>" in line.split("[")[0]] += math.prod(int(x) for x in shape.split(",") if x) * n
+    return out[0], out[1]
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_remat_offload_keeps_block_inputs_in_host_memory(scan_layers, capsys):
+    """``remat="offload"`` (``--remat-policy offload``): full remat's loss and gradients (tiny on (2, 2, 2),
+    scanned and looped), with what the backward pass reads from the forward moved, exactly every block's
+    input (L x B x S x D elements), from device memory to ``pinned_host``; nothing else changes."""
+    kept = {k: _saved_elements(v) for k, v in _as_full_remat(scan_layers, "offload", capsys).items()}
+    B, S, D, L = 2, 64, 128, 2
+    assert kept[True][1] == 0
+    assert kept["offload"][1] == L * B * S * D
+    assert kept[True][0] - kept["offload"][0] == L * B * S * D
+
+
 def test_remat_policy_names_its_choices():
-    with pytest.raises(ValueError, match=r"remat='everything' must be False, True, 'full' or 'attention'"):
+    with pytest.raises(ValueError, match=r"remat='everything' must be False, True, 'full', 'attention' or 'offload'"):
         llama.remat_policy("everything")
-    assert [llama.remat_policy(r) for r in (False, True, "full", "attention")] == [None, "full", "full", "attention"]
+    assert [llama.remat_policy(r) for r in (False, True, "full", "attention", "offload")] == [
+        None, "full", "full", "attention", "offload"]
     with pytest.raises(ValueError, match=r"--remat-policy=attention says what remat keeps; add --remat"):
         train.TrainConfig(remat_policy="attention")
-    with pytest.raises(ValueError, match=r"--remat-policy='none' must be one of \('full', 'attention'\)"):
+    with pytest.raises(ValueError, match=r"--remat-policy='none' must be one of \('auto', 'full', 'attention', "
+                                         r"'offload'\)"):
         train.TrainConfig(remat=True, remat_policy="none")
