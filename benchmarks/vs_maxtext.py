@@ -148,7 +148,8 @@ def _write_compiled(out: str, compiled, mesh, compile_s: float, info: dict) -> N
     record = {
         "memory": {k: int(getattr(m, k, 0) or 0) for k in (
             "argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes",
-            "generated_code_size_in_bytes", "peak_memory_in_bytes")},
+            "generated_code_size_in_bytes", "peak_memory_in_bytes", "host_temp_size_in_bytes",
+            "host_argument_size_in_bytes", "host_output_size_in_bytes")},
         "cost": {"flops": float(cost.get("flops", 0.0)), "bytes accessed": float(cost.get("bytes accessed", 0.0))},
         "mesh_shape": [int(v) for v in mesh.shape.values()], "axis_names": list(mesh.axis_names),
         "compile_s": compile_s, **info,
@@ -220,7 +221,7 @@ def compile_jax_cp(a, layers: int, out: str) -> None:
         t0 = time.perf_counter()
         compiled = jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile(compiler_options=options)
         _write_compiled(out, compiled, mesh, time.perf_counter() - t0, {
-            "jax": jax.__version__, "libtpu": _version("libtpu"), "flags": list(flags),
+            "jax": jax.__version__, "libtpu": _version("libtpu"), "flags": list(flags), "label": label,
             "train_config": dataclasses.asdict(cfg)})
         return read_program(out, chip, ("cp_colossal", "cp_ulysses"))[0]  # what the trainer reads on
 
@@ -234,6 +235,15 @@ def compile_jax_cp(a, layers: int, out: str) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # One reader for both programs
+
+
+def remat_of(rec: dict) -> str:
+    """What a compiled jax_cp step's remat kept: the policy its label names (``--jax-cp-remat auto``'s choice),
+    else its config's; MaxText's record: its ``remat_policy`` override."""
+    label = rec.get("label", "")
+    if "remat=" in label:
+        return label.split("remat=")[1].split()[0]
+    return rec.get("train_config", {}).get("remat_policy", "full")
 
 
 def read_program(path: str, chip, cp_axes: tuple[str, ...]):
@@ -280,7 +290,9 @@ def figures(a_rec, analysis, extra, chip, layers: int, devices: int, args, kerne
     cp = analysis.schedule.select()
     cp_exposed = sum(c.wire_bytes * c.iterations for c in cp if not c.overlapped) / chip.device_ici_bandwidth
     step = max(max(compute_s, est.memory_s) + est.exposed_comm_s, est.comm_s)
-    return {"arguments": m.arguments, "temporaries": m.temporaries, "peak": m.total, "cp_bytes": analysis.cp_bytes,
+    host = a_rec["memory"].get("host_temp_size_in_bytes", 0)  # what --jax-cp-remat offload keeps on the host
+    return {"arguments": m.arguments, "temporaries": m.temporaries, "peak": m.total, "host_temp": host,
+            "cp_bytes": analysis.cp_bytes,
             "all_coll_bytes": float(sum(c.bytes * c.iterations for c in analysis.schedule.collectives)),
             "exposed_s": est.exposed_comm_s, "cp_exposed_s": cp_exposed, "compute_s": compute_s,
             "memory_s": est.memory_s, "comm_s": est.comm_s, "step_s": step}
@@ -420,12 +432,15 @@ def main(argv=None) -> None:
     p.add_argument("--jax-cp-residual-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="jax_cp's residual stream (models.train --residual-dtype: auto, the compute dtype, is "
                         "bfloat16 here, as MaxText's)")
-    p.add_argument("--jax-cp-remat", choices=("full", "attention"), default="full",
-                   help="what jax_cp's remat keeps (models.train --remat-policy): full recomputes every layer, as "
-                        "MaxText's recipe; attention also keeps the attention kernels' outputs (no kernel rerun)")
-    p.add_argument("--jax-cp-topology", choices=("plan", "maxtext"), default="plan",
-                   help="the pod description jax_cp compiles for: jax_cp.plan's (libtpu's default for the name) or "
-                        "MaxText's (its chip config, chips per host and wraparound links: the same pod as its side)")
+    p.add_argument("--jax-cp-remat", choices=("auto", "full", "attention", "offload"), default="auto",
+                   help="what jax_cp's remat keeps (models.train --remat-policy): auto (its default) the first of "
+                        "attention, full, offload whose step fits the chip; full recomputes every layer, as "
+                        "MaxText's recipe; attention also keeps the attention kernels' outputs (no kernel rerun); "
+                        "offload recomputes every layer and keeps each layer's input in host memory")
+    p.add_argument("--jax-cp-topology", choices=("maxtext", "plan"), default="maxtext",
+                   help="the pod description jax_cp compiles for: MaxText's (the default: its chip config, chips per "
+                        "host and wraparound links, the same pod as its side) or jax_cp.plan's (libtpu's default "
+                        "for the name, without wraparound links)")
     p.add_argument("--jax-cp-unrolled", action="store_true", help="jax_cp unrolls its blocks "
                    "(models.train --no-scan-layers; default: one lax.scan, as MaxText scans its layers)")
     p.add_argument("--maxtext-cp-strategy", default="all_gather", choices=("all_gather", "ring", "ulysses", "usp"),
@@ -459,8 +474,8 @@ def main(argv=None) -> None:
     sides = {
         "jax_cp" + ("-fsdp" if a.jax_cp_fsdp else "") + ("-unrolled" if a.jax_cp_unrolled else "-scan")
         + ("-f32res" if a.jax_cp_residual_dtype == "float32" else "")
-        + ("-keepattn" if a.jax_cp_remat == "attention" else "")
-        + ("-mtpod" if a.jax_cp_topology == "maxtext" else "")
+        + {"auto": "", "full": "-full", "attention": "-keepattn", "offload": "-offload"}[a.jax_cp_remat]
+        + ("-planpod" if a.jax_cp_topology == "plan" else "")
         + ("" if a.jax_cp_kv_exchange == "auto" else f"-{a.jax_cp_kv_exchange}"): ("jax_cp", ("cp_colossal", "cp_ulysses")),
         f"maxtext-{a.maxtext_cp_strategy}-{a.maxtext_remat}" + ("-jaxcpflags" if a.maxtext_flags == "jax_cp" else ""):
             ("maxtext", ("context",)),
@@ -510,7 +525,7 @@ def _program(a, chip, side: str, kind: str, cp_axes, layers: int) -> tuple[dict,
         print(f"  {time.perf_counter() - t0:.0f} s", flush=True)
     analysis, extra = read_program(path, chip, cp_axes)
     devices = math.prod(extra["rec"]["mesh_shape"])
-    rerun = kind == "maxtext" or a.jax_cp_remat == "full"  # MaxText: --maxtext-remat full, its recipe's
+    rerun = kind == "maxtext" or remat_of(extra["rec"]) != "attention"  # MaxText: --maxtext-remat full, its recipe's
     return figures(extra["rec"], analysis, extra, chip, layers, devices, a, rerun), analysis, extra, path
 
 
@@ -534,7 +549,7 @@ def largest(a, chip, sides) -> None:
     step = max(a.seq_len // 4, 1)
     print(f"\nLargest context, {a.topology} ({chip.device_kind}, {chip.device_hbm_bytes / GiB:.0f} GiB HBM), "
           f"B={a.batch}, {a.full_layers} layers compiled whole, per device:\n")
-    print("| side | S | peak (GiB) | fits | estimated step (s) |\n|---|---|---|---|---|")
+    print("| side | S | peak (GiB) | host (GiB) | remat | fits | estimated step (s) |\n|---|---|---|---|---|---|---|")
     for side, (kind, cp_axes) in sides.items():
         if a.only and a.only != kind:
             continue
@@ -542,10 +557,12 @@ def largest(a, chip, sides) -> None:
 
         def fits(S):
             f, note = _compiled(a, chip, side, kind, cp_axes, S)
+            remat = remat_of(json.loads(Path(note, "memory.json").read_text())) if f is not None else "-"
             ok = f is not None and f["peak"] <= chip.device_hbm_bytes
             tried[S] = (f, note, ok)
             peak = "-" if f is None else f"{f['peak'] / GiB:.2f}"
-            print(f"| {side} | {S} | {peak} | {'yes' if ok else 'no' + ('' if f else f' ({note})')} | "
+            host = "-" if f is None else f"{f.get('host_temp', 0) / GiB:.2f}"
+            print(f"| {side} | {S} | {peak} | {host} | {remat} | {'yes' if ok else 'no' + ('' if f else f' ({note})')} | "
                   + ("-" if f is None else f"{f['step_s']:.1f}") + " |", flush=True)
             return ok
 
@@ -584,7 +601,8 @@ def _print(a, chip, sides, results) -> None:
     print(f"\nOne training step, Llama 3.1 8B shapes (head_dim {a.head_dim}), {a.topology} ({chip.device_kind}), "
           f"B={a.batch}, S={a.seq_len}; per device; {a.full_layers} layers {how}\n")
     rows = [("arguments (GiB)", "arguments", _gib), ("temporaries (GiB)", "temporaries", _gib),
-            ("peak (GiB)", "peak", _gib), ("CP collective bytes (GiB)", "cp_bytes", _gib),
+            ("peak (GiB)", "peak", _gib), ("host memory, temporaries (GiB)", "host_temp", _gib),
+            ("CP collective bytes (GiB)", "cp_bytes", _gib),
             ("all collective bytes (GiB)", "all_coll_bytes", _gib),
             ("exposed collectives, all (ms)", "exposed_s", _ms), ("exposed CP collectives (ms)", "cp_exposed_s", _ms),
             ("compute (ms)", "compute_s", _ms), ("HBM traffic (ms)", "memory_s", _ms),
@@ -615,6 +633,8 @@ def _print(a, chip, sides, results) -> None:
         for size, name, shape, op in top:
             print(f"  {size / 2**20:8.1f} MiB  {shape}  {name}  {op}")
         info = {k: v for k, v in extra["rec"].items() if k in ("jax", "libtpu", "maxtext")}
+        if sides[s][0] == "jax_cp":
+            print(f"  remat: {remat_of(extra['rec'])}")
         print(f"  versions: {info}")
 
 

@@ -47,6 +47,9 @@ from jax_cp import linear
 from models.hybrid import HybridConfig, abstract_model, get_config, model_class
 from models.llama import REMAT, Sharding, next_token_loss
 
+REMAT_POLICIES = ("auto", *REMAT)  # --remat-policy: auto picks one of REMAT by memory (resolve_remat)
+AUTO_REMAT = ("attention", "full", "offload")  # what auto tries, fastest first
+
 __all__ = ["TrainConfig", "global_batch", "main", "parse_args", "run"]
 
 PROG = "python -m models.train"
@@ -94,7 +97,7 @@ class TrainConfig:
     use_sinks: bool = False  # every attention layer: a learned sink logit per query head
     prefix_lm: float | None = None  # a prefix-LM objective: this share of each document is a bidirectional prompt
     remat: bool = False
-    remat_policy: str = "full"  # with remat: what a block keeps beside its input (one of REMAT)
+    remat_policy: str = "auto"  # with remat: what a block keeps beside its input (one of REMAT_POLICIES)
     scan_layers: bool = True  # the blocks as one lax.scan over stacked parameters (models.llama.Llama)
     residual_dtype: str = "auto"  # the residual stream between blocks: auto (the compute --dtype), float32, bfloat16
     data: str | None = None
@@ -158,9 +161,9 @@ class TrainConfig:
         if self.prefix_lm is not None and self.model in hybrid.CONFIGS:
             raise ValueError(f"--prefix-lm={self.prefix_lm} needs bidirectional prompts, which the recurrent layers "
                              f"of --model={self.model} cannot see; train it without --prefix-lm.")
-        if self.remat_policy not in REMAT:
-            raise ValueError(f"--remat-policy={self.remat_policy!r} must be one of {REMAT}.")
-        if self.remat_policy != "full" and not self.remat:
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"--remat-policy={self.remat_policy!r} must be one of {REMAT_POLICIES}.")
+        if self.remat_policy != "auto" and not self.remat:
             raise ValueError(f"--remat-policy={self.remat_policy} says what remat keeps; add --remat (or drop it).")
         if self.fsdp not in (True, False, "auto"):
             raise ValueError(f"fsdp={self.fsdp!r} must be True (--fsdp), False (--no-fsdp) or 'auto'.")
@@ -253,10 +256,13 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="load-balance order: a dispatch plan per batch (equal attention work per CP rank on packed "
                         "rows) or the fixed dual-chunk order (balanced for one document per row)")
     g.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
-    g.add_argument("--remat-policy", choices=REMAT, default=d.remat_policy,
-                   help="with --remat: full recomputes the whole block from its input; attention also keeps its "
+    g.add_argument("--remat-policy", choices=REMAT_POLICIES, default=d.remat_policy,
+                   help="with --remat: auto (default) takes the first of attention, full, offload whose step fits "
+                        "the device's memory (compiled ahead of time to read it; full where the device states no "
+                        "limit, as a CPU); full recomputes the whole block from its input; attention also keeps its "
                         "attention output and log-sum-exp, so the backward pass does not rerun the kernel (long "
-                        "context: about 2/9 of the attention's FLOPs, for one more activation a layer)")
+                        "context: about 2/9 of the attention's FLOPs, for one more activation a layer); offload "
+                        "recomputes the whole block and keeps its input in host memory (the longest contexts)")
     g.add_argument("--scan-layers", dest="scan_layers", action="store_true", default=d.scan_layers,
                    help="run the blocks as one lax.scan (the default; their parameters stacked for the step, the "
                         "checkpoint layout unchanged): one block's buffers in the schedule, one block compiled")
@@ -589,7 +595,7 @@ def residual_dtype(cfg: TrainConfig) -> str:
 def _model_kwargs(cfg: TrainConfig, mesh) -> dict:
     fsdp, _ = fsdp_choice(cfg, jax_cp.mesh_dims(mesh))
     return dict(dtype=jnp.dtype(cfg.dtype), fsdp=fsdp, fsdp_axes=cfg.fsdp_axes_tuple,
-                remat=cfg.remat and cfg.remat_policy,
+                remat=cfg.remat and ("full" if cfg.remat_policy == "auto" else cfg.remat_policy),
                 scan_layers=cfg.scan_layers, residual_dtype=jnp.dtype(residual_dtype(cfg)), kernel=cfg.kernel,
                 kv_exchange=cfg.kv_exchange, overlap_chunks=cfg.overlap_chunks,
                 fused_qkv_chunks=cfg.fused_qkv_chunks)
@@ -717,15 +723,52 @@ def plan_train_step(cfg: TrainConfig, topology: str | None = None, *, memory_bud
     allocated, so the planning shapes (``--model llama3-8b``) work on a CPU.
     Returns a ``jax_cp.plan.Analysis``: per-device memory (and whether it
     fits), FLOPs, every collective with its overlap, the estimated step time.
-    Needs the libtpu wheel (``pip install -e '.[tpu-aot]'``).
+    With ``--remat --remat-policy auto`` the step is compiled with each of ``AUTO_REMAT`` in turn until one
+    fits the chip (the analysis's label names the policy taken, ``remat=...``). Needs the libtpu wheel
+    (``pip install -e '.[tpu-aot]'``).
     """
     from jax_cp import plan
 
     topology = topology or cfg.plan
     if topology is None:
         raise ValueError("topology=None: name a TPU topology to plan for, e.g. 'v5p:4x4x4'.")
+    found = {}
+
+    def fits(c: TrainConfig) -> bool:
+        try:
+            found[c.remat_policy] = a = _plan_one(c, topology, memory_budget, xla_flags)
+        except (ValueError, jax.errors.JaxRuntimeError) as e:  # the compiler's out-of-HBM refusal
+            if "does not fit" not in str(e) and "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            return False
+        return a.memory.total <= a.memory.budget
+
+    chosen, _ = resolve_remat(cfg, fits)
+    return found.get(chosen.remat_policy) or _plan_one(chosen, topology, memory_budget, xla_flags)
+
+
+def _plan_one(cfg: TrainConfig, topology: str, memory_budget, xla_flags):
+    from jax_cp import plan
+
     mesh = _plan_mesh(cfg, topology)
     _check_batch(cfg, jax_cp.mesh_dims(mesh).dp)
+    graphdef, state, batch = _abstract_step(cfg, mesh)
+    remat = f" remat={cfg.remat_policy}" if cfg.remat else ""
+    with jax.set_mesh(mesh):  # the state is donated, as train's step does: the peak counts it once
+        a = plan.analyze_program(_train_step_fn(graphdef), (state, batch), topology=topology, mesh=mesh,
+                                 label=f"train step {cfg.model_name}{remat}", memory_budget=memory_budget,
+                                 xla_flags=xla_flags_for(cfg, plan.chip_for(topology).name) if xla_flags is None else xla_flags,
+                                 donate_argnums=0)
+    if not a.kernel_calls:  # no splash: the compiler counted every FLOP
+        return a
+    executed = a.flops + splash_flops(cfg, model_config(cfg), jax_cp.mesh_dims(mesh))
+    return dataclasses.replace(a, executed_flops=executed, estimate=dataclasses.replace(
+        a.estimate, compute_s=executed / plan.chip_for(topology).device_flops))
+
+
+def _abstract_step(cfg: TrainConfig, mesh):
+    """``(graphdef, state, batch)`` of one training step on ``mesh``: ``jax.ShapeDtypeStruct`` s carrying
+    the shardings ``train`` gives them, nothing allocated."""
     tx, _ = make_optimizer(cfg)
     with jax.set_mesh(mesh):
         graphdef, state = nnx.split(nnx.eval_shape(_init_fn(cfg, mesh, tx)))
@@ -735,16 +778,51 @@ def plan_train_step(cfg: TrainConfig, topology: str | None = None, *, memory_bud
     fields = data_lib.FIELDS + (("span_ids",) if cfg.prefix_lm else ())  # what global_batch hands the step
     batch = {k: jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), data_lib.FIELD_DTYPES.get(k, np.int32), sharding=tokens)
              for k in fields}
-    with jax.set_mesh(mesh):  # the state is donated, as train's step does: the peak counts it once
-        a = plan.analyze_program(_train_step_fn(graphdef), (state, batch), topology=topology, mesh=mesh,
-                                 label=f"train step {cfg.model_name}", memory_budget=memory_budget,
-                                 xla_flags=xla_flags_for(cfg, plan.chip_for(topology).name) if xla_flags is None else xla_flags,
-                                 donate_argnums=0)
-    if not a.kernel_calls:  # no splash: the compiler counted every FLOP
-        return a
-    executed = a.flops + splash_flops(cfg, model_config(cfg), jax_cp.mesh_dims(mesh))
-    return dataclasses.replace(a, executed_flops=executed, estimate=dataclasses.replace(
-        a.estimate, compute_s=executed / plan.chip_for(topology).device_flops))
+    return graphdef, state, batch
+
+
+def resolve_remat(cfg: TrainConfig, fits) -> tuple[TrainConfig, str]:
+    """``cfg`` with ``--remat-policy auto`` made concrete, and why, in the log's words.
+
+    ``auto`` takes the first of ``AUTO_REMAT`` (keep the attention; recompute all; recompute all with the
+    blocks' inputs in host memory) whose step ``fits(cfg)``: ``True``, ``False``, or ``None`` where the
+    device states no memory limit (a CPU), which gives ``full``. Where none fits, the last (``offload``).
+    Any other policy, or no ``--remat``, is returned as given."""
+    if not cfg.remat or cfg.remat_policy != "auto":
+        return cfg, "as given"
+    for policy in AUTO_REMAT:
+        c = dataclasses.replace(cfg, remat_policy=policy)
+        ok = fits(c)
+        if ok is None:
+            return dataclasses.replace(cfg, remat_policy="full"), "auto: the device states no memory limit"
+        if ok:
+            return c, f"auto: the first of {', '.join(AUTO_REMAT)} whose step fits the device's memory"
+    return c, f"auto: none of {', '.join(AUTO_REMAT)} fits the device's memory; the last"
+
+
+def _memory_limit(mesh) -> int | None:
+    """The bytes one of this process's devices of ``mesh`` can hold (``memory_stats``), or None (a CPU)."""
+    device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    return (device.memory_stats() or {}).get("bytes_limit") or None
+
+
+def _step_fits(cfg: TrainConfig, mesh) -> bool | None:
+    """Whether one training step of ``cfg`` fits a device of ``mesh`` (compiled ahead of time, its memory
+    analysis against the device's ``bytes_limit``); ``None`` where the device states no limit."""
+    limit = _memory_limit(mesh)
+    if not limit:
+        return None
+    graphdef, state, batch = _abstract_step(cfg, mesh)
+    with jax.set_mesh(mesh):
+        try:
+            compiled = jax.jit(_train_step_fn(graphdef), donate_argnums=0).lower(state, batch).compile()
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" in str(e):
+                return False
+            raise
+    m = compiled.memory_analysis()
+    used = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    return used <= limit
 
 
 def splash_flops(cfg: TrainConfig, model_cfg, dims) -> float:
@@ -757,7 +835,7 @@ def splash_flops(cfg: TrainConfig, model_cfg, dims) -> float:
     over ``dp``.
     """
     S = cfg.seq_len
-    matmuls = 2 + (2 if cfg.remat and cfg.remat_policy == "full" else 0) + 7
+    matmuls = 2 + (2 if cfg.remat and cfg.remat_policy in ("full", "offload") else 0) + 7
     per_pair = matmuls * 2 * model_cfg.head_dim * (cfg.batch / dims.dp) * model_cfg.num_heads / (dims.t * dims.u)
     total = 0.0
     for layer in range(model_cfg.num_layers):
@@ -786,7 +864,7 @@ def _plan_main(cfg: TrainConfig) -> None:
     source = f" (--init-from {cfg.init_from}: its config.json, no weights read)" if cfg.init_from else ""
     print(f"jax_cp plan: one training step of {cfg.model_name}{source} on {cfg.plan} ({chip.device_kind}), "
           f"mesh {mesh}\nB={cfg.batch} S={cfg.seq_len} dtype={cfg.dtype} fsdp={_fsdp_words(cfg, dims)} "
-          f"remat={cfg.remat and cfg.remat_policy} "
+          f"remat={a.label.split('remat=')[1] if 'remat=' in a.label else False} "
           f"kernel={cfg.kernel} kv_exchange={cfg.kv_exchange} overlap_chunks={cfg.overlap_chunks} "
           f"fused_qkv_chunks={cfg.fused_qkv_chunks}\n"
           f"flags: {' '.join(xla_flags_for(cfg, chip.name))}\n")
@@ -802,6 +880,9 @@ def train(cfg: TrainConfig, s: Setup) -> dict:
     """Runs the training loop; returns the summary (also written to ``OUT/summary.json``)."""
     t0 = time.perf_counter()
     main_process = jax.process_index() == 0
+    cfg, remat_why = resolve_remat(cfg, lambda c: _step_fits(c, s.mesh))
+    if main_process and cfg.remat:
+        print(f"remat: {cfg.remat_policy} ({remat_why})", file=sys.stderr)
     out = Path(cfg.out)
     model_cfg = model_config(cfg)
     tx, schedule = make_optimizer(cfg)

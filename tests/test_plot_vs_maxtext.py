@@ -46,8 +46,20 @@ def test_the_whole_step_is_taken_as_compiled_and_cuts_are_extrapolated():
         vs_maxtext.extrapolate({4: cuts[4]}, 32)
 
 
+def test_a_records_remat_is_the_one_its_step_compiled_with():
+    """``--jax-cp-remat auto`` compiles with the policy ``models.train.plan_train_step`` takes, named in the
+    analysis's label; the FLOP count's kernel rerun follows it (older records: their config's policy)."""
+    import vs_maxtext
+
+    assert vs_maxtext.remat_of({"label": "train step llama3-8b-L32 remat=attention",
+                                "train_config": {"remat_policy": "auto"}}) == "attention"
+    assert vs_maxtext.remat_of({"label": "train step llama3-8b-L32 remat=offload"}) == "offload"
+    assert vs_maxtext.remat_of({"train_config": {"remat_policy": "attention"}}) == "attention"
+    assert vs_maxtext.remat_of({}) == "full"
+
+
 def test_jax_cp_can_compile_for_maxtexts_description_of_the_pod():
-    """``--jax-cp-topology maxtext``: libtpu takes MaxText's description of each pod the comparison uses (its
+    """``--jax-cp-topology maxtext`` (the default): libtpu takes MaxText's description of each pod the comparison uses (its
     chip config, chips per host, wraparound links) and gives the same devices as jax_cp.plan's; other
     topologies get a ValueError that names the option."""
     import vs_maxtext

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -956,16 +957,59 @@ def test_planned_step_with_splash_counts_its_kernels():
 
 
 def test_planned_step_keeping_the_attention_runs_each_forward_kernel_once():
-    """``--remat-policy attention`` on the same splash step (v5e:2x4, remat): the compiled program runs
-    each layer's forward kernels once, where full remat runs them twice (the rerun in the backward pass),
-    and the backward kernels as often; the planner's executed FLOPs lose the rerun's."""
+    """``--remat-policy attention`` on the same splash step (v5e:2x4, remat), which ``auto`` (the default)
+    takes here (the step fits the chip): the compiled program runs each layer's forward kernels once, where
+    full remat runs them twice (the rerun in the backward pass), and the backward kernels as often; the
+    planner's executed FLOPs lose the rerun's."""
     pytest.importorskip("libtpu", reason="plans compile with the libtpu wheel's TPU compiler")
-    full = train.TrainConfig(**(PLAN | dict(kernel="splash", kv_exchange="auto", overlap_chunks="auto", remat=True)))
-    kept = dataclasses.replace(full, remat_policy="attention")
-    a, b = train.plan_train_step(full, "v5e:2x4"), train.plan_train_step(kept, "v5e:2x4")
+    auto = train.TrainConfig(**(PLAN | dict(kernel="splash", kv_exchange="auto", overlap_chunks="auto", remat=True)))
+    assert auto.remat_policy == "auto"
+    full = dataclasses.replace(auto, remat_policy="full")
+    a, b = train.plan_train_step(full, "v5e:2x4"), train.plan_train_step(auto, "v5e:2x4")
+    assert a.label.endswith("remat=full") and b.label.endswith("remat=attention"), (a.label, b.label)
     calls = lambda p: {name.rsplit("_", 1)[1]: n for name, n in p.kernel_calls}
     assert calls(a)["fwd"] == 2 * calls(b)["fwd"] > 0
     assert (calls(a)["dq"], calls(a)["dkv"]) == (calls(b)["dq"], calls(b)["dkv"]) != (0, 0)
     dims = jax_cp.MeshDims(dp=1, c=2, u=2, t=2)
     rerun = train.splash_flops(full, train.model_config(full), dims) * 2 / 11  # 2 of the 11 kernel matmuls
     assert a.executed_flops - b.executed_flops == pytest.approx(rerun, rel=1e-3)
+
+
+def test_auto_remat_takes_the_first_policy_whose_step_fits(monkeypatch):
+    """``--remat-policy auto``: attention, full, offload in turn, the first whose step fits (``resolve_remat``
+    with any ``fits``; ``plan_train_step`` with the planner's analysis against the chip's budget, or the
+    compiler's out-of-HBM refusal); full where the device states no limit (a CPU, ``_step_fits``); a
+    policy named, or no ``--remat``, as given."""
+    cfg = train.TrainConfig(model="tiny", remat=True)
+    for fitting, chosen in (({"attention", "full", "offload"}, "attention"), ({"full", "offload"}, "full"),
+                            ({"offload"}, "offload"), (set(), "offload")):
+        asked = []
+        c, why = train.resolve_remat(cfg, lambda c: asked.append(c.remat_policy) or c.remat_policy in fitting)
+        assert c.remat_policy == chosen and asked == list(train.AUTO_REMAT[:asked.index(chosen) + 1]), (asked, why)
+        assert ("none of" in why) == (not fitting), why
+    c, why = train.resolve_remat(cfg, lambda c: None)
+    assert c.remat_policy == "full" and "no memory limit" in why
+    for given in (dataclasses.replace(cfg, remat_policy="attention"), train.TrainConfig(model="tiny")):
+        assert train.resolve_remat(given, lambda c: pytest.fail("asked"))[0] is given
+    mesh = jax_cp.make_mesh(cp_colossal=2, axis_types=AxisType.Auto, devices=jax.devices()[:2])
+    assert train._memory_limit(mesh) is None and train._step_fits(cfg, mesh) is None  # a CPU states no limit
+    small = dataclasses.replace(cfg, seq_len=64, batch=2, cp_colossal=2, remat_policy="full")
+    for limit, fits in ((2**40, True), (2**10, False)):  # the compiled step's memory against a device's limit
+        monkeypatch.setattr(train, "_memory_limit", lambda mesh: limit)
+        assert train._step_fits(small, mesh) is fits
+
+    memory = lambda total: types.SimpleNamespace(memory=types.SimpleNamespace(total=total, budget=100))  # noqa: E731
+    planned = {"attention": memory(120), "full": memory(90), "offload": memory(50)}
+    compiled = []
+
+    def plan_one(c, topology, budget, flags):
+        compiled.append(c.remat_policy)
+        if c.remat_policy == "attention":  # as the TPU compiler refuses a program over HBM
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+        return planned[c.remat_policy]
+
+    monkeypatch.setattr(train, "_plan_one", plan_one)
+    assert train.plan_train_step(cfg, "v5e:2x4") is planned["full"] and compiled == ["attention", "full"]
+    compiled.clear()
+    planned["full"] = memory(110)
+    assert train.plan_train_step(cfg, "v5e:2x4") is planned["offload"] and compiled == ["attention", "full", "offload"]
