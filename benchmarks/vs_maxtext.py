@@ -273,7 +273,8 @@ def shape_flops(a, layers: int, devices: int, kernel_rerun: bool = True) -> floa
     backward 4), the head's 6 x D x V x tokens, and the causal attention kernels (forward 2 matmuls, the
     remat forward 2 where the kernel reruns, backward 5: scores recomputed, dP, dV, dQ, dK; each
     2 B S^2 H d / 2). ``kernel_rerun=False``: the step keeps the kernels' outputs (jax_cp's
-    ``--jax-cp-remat attention``, whose compiled program calls each forward kernel once)."""
+    remat that keeps the attention, ``--jax-cp-remat attention`` or ``auto``'s choice, whose compiled program
+    calls each forward kernel once)."""
     D, F, V = 4096, 14336, 128256
     H, K = variant_heads(a.head_dim)
     tokens = a.batch * a.seq_len
@@ -619,7 +620,7 @@ def _print(a, chip, sides, results) -> None:
         print(f"| {label} | " + " | ".join(vals) + " |")
     print("\nCompute: FLOPs counted from the shapes, the same formula for both (full remat: matmuls 8 x params "
           "x tokens, head 6 x D x V x tokens, attention kernels fwd + remat fwd + bwd, jax_cp's remat fwd left out "
-          "under --jax-cp-remat attention); the compilers' own counts "
+          "where jax_cp's remat keeps the attention); the compilers' own counts "
           "are not comparable: each counts a loop body once and MaxText scans its layers. HBM traffic: the "
           "compiler's bytes accessed plus jax_cp.plan's count of loop bodies' further trips (loop_bytes). "
           f"Peaks: {chip.device_kind} {chip.device_flops / 1e12:.0f} TFLOP/s, "
