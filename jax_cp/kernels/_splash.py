@@ -38,7 +38,6 @@ import numpy as np
 from jax import lax
 
 from jax_cp._masks import normalize_window
-from jax_cp._mesh import after
 from jax_cp._remat import name_attention_residuals
 from jax_cp._softmax import check_soft_cap, fold_sinks, merge_softmax, sinks_grad
 from jax_cp._vma import unchecked as _unchecked, vary_as as _vary_as
@@ -585,7 +584,6 @@ def _ring_known(step: RingStep, qx, kv, ahead):
     if ahead is None:
         raise ValueError("a ring step with natural positions needs ahead= (how many places before the queries' "
                          "own chunk the ring holds this one), as the ring's loops pass it.")
-    ahead = after(jnp.asarray(ahead, jnp.int32), qx)  # per layer, as the ring ties its positions (ring.py)
     Tp, Sp = qx.shape[2], kv[0].shape[2]
     masks = lambda keys: _natural_info(Tp, Sp, step.T, step.T, step.is_causal, None, keys)
     known = masks("same")
