@@ -240,10 +240,9 @@ def compile_jax_cp(a, layers: int, out: str) -> None:
 def remat_of(rec: dict) -> str:
     """What a compiled jax_cp step's remat kept: the policy its label names (``--jax-cp-remat auto``'s choice),
     else its config's; MaxText's record: its ``remat_policy`` override."""
-    label = rec.get("label", "")
-    if "remat=" in label:
-        return label.split("remat=")[1].split()[0]
-    return rec.get("train_config", {}).get("remat_policy", "full")
+    from models.train import planned_remat
+
+    return planned_remat(rec.get("label", "")) or rec.get("train_config", {}).get("remat_policy", "full")
 
 
 def read_program(path: str, chip, cp_axes: tuple[str, ...]):

@@ -732,7 +732,7 @@ def plan_train_step(cfg: TrainConfig, topology: str | None = None, *, memory_bud
     topology = topology or cfg.plan
     if topology is None:
         raise ValueError("topology=None: name a TPU topology to plan for, e.g. 'v5p:4x4x4'.")
-    found = {}
+    found = {}  # policy -> its analysis, or the compiler's refusal
 
     def fits(c: TrainConfig) -> bool:
         try:
@@ -740,11 +740,15 @@ def plan_train_step(cfg: TrainConfig, topology: str | None = None, *, memory_bud
         except (ValueError, jax.errors.JaxRuntimeError) as e:  # the compiler's out-of-HBM refusal
             if "does not fit" not in str(e) and "RESOURCE_EXHAUSTED" not in str(e):
                 raise
+            found[c.remat_policy] = e
             return False
-        return a.memory.total <= a.memory.budget
+        return a.memory.fits
 
     chosen, _ = resolve_remat(cfg, fits)
-    return found.get(chosen.remat_policy) or _plan_one(chosen, topology, memory_budget, xla_flags)
+    a = found.get(chosen.remat_policy) or _plan_one(chosen, topology, memory_budget, xla_flags)
+    if isinstance(a, Exception):  # no policy fits: the last one's refusal, not a second compile of it
+        raise a
+    return a
 
 
 def _plan_one(cfg: TrainConfig, topology: str, memory_budget, xla_flags):
@@ -753,7 +757,7 @@ def _plan_one(cfg: TrainConfig, topology: str, memory_budget, xla_flags):
     mesh = _plan_mesh(cfg, topology)
     _check_batch(cfg, jax_cp.mesh_dims(mesh).dp)
     graphdef, state, batch = _abstract_step(cfg, mesh)
-    remat = f" remat={cfg.remat_policy}" if cfg.remat else ""
+    remat = f" {_REMAT_LABEL}{cfg.remat_policy}" if cfg.remat else ""
     with jax.set_mesh(mesh):  # the state is donated, as train's step does: the peak counts it once
         a = plan.analyze_program(_train_step_fn(graphdef), (state, batch), topology=topology, mesh=mesh,
                                  label=f"train step {cfg.model_name}{remat}", memory_budget=memory_budget,
@@ -764,6 +768,14 @@ def _plan_one(cfg: TrainConfig, topology: str, memory_budget, xla_flags):
     executed = a.flops + splash_flops(cfg, model_config(cfg), jax_cp.mesh_dims(mesh))
     return dataclasses.replace(a, executed_flops=executed, estimate=dataclasses.replace(
         a.estimate, compute_s=executed / plan.chip_for(topology).device_flops))
+
+
+_REMAT_LABEL = "remat="  # how a planned step's label names its remat policy (planned_remat reads it)
+
+
+def planned_remat(label: str) -> str | None:
+    """The remat policy a planned step's label names (``plan_train_step``: ``auto``'s choice), or None."""
+    return label.split(_REMAT_LABEL)[1].split()[0] if _REMAT_LABEL in label else None
 
 
 def _abstract_step(cfg: TrainConfig, mesh):
@@ -820,11 +832,11 @@ def _step_fits(cfg: TrainConfig, mesh) -> bool | None:
             if "RESOURCE_EXHAUSTED" in str(e):
                 return False
             raise
-    m = compiled.memory_analysis()
-    if m is None:  # a backend that gives no memory analysis: as if no limit were stated
+    if compiled.memory_analysis() is None:  # a backend that gives no memory analysis: as if no limit were stated
         return None
-    used = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    return used <= limit
+    from jax_cp import plan
+
+    return plan.Memory.of(compiled, limit).fits
 
 
 def splash_flops(cfg: TrainConfig, model_cfg, dims) -> float:
@@ -866,7 +878,7 @@ def _plan_main(cfg: TrainConfig) -> None:
     source = f" (--init-from {cfg.init_from}: its config.json, no weights read)" if cfg.init_from else ""
     print(f"jax_cp plan: one training step of {cfg.model_name}{source} on {cfg.plan} ({chip.device_kind}), "
           f"mesh {mesh}\nB={cfg.batch} S={cfg.seq_len} dtype={cfg.dtype} fsdp={_fsdp_words(cfg, dims)} "
-          f"remat={a.label.split('remat=')[1] if 'remat=' in a.label else False} "
+          f"remat={planned_remat(a.label) or False} "
           f"kernel={cfg.kernel} kv_exchange={cfg.kv_exchange} overlap_chunks={cfg.overlap_chunks} "
           f"fused_qkv_chunks={cfg.fused_qkv_chunks}\n"
           f"flags: {' '.join(xla_flags_for(cfg, chip.name))}\n")

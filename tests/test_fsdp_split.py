@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_cp
-from util import assert_close
+from util import assert_close, has_primitive as _has, sub_jaxprs as _sub_jaxprs
 
 B, S, D, H = 4, 32, 32, 8
 
@@ -247,18 +247,6 @@ def test_unshard_gradient_eagerly():
         return jnp.sum(jnp.sin(y))
 
     assert_close(jax.grad(loss)(w), jax.grad(lambda w: jnp.sum(jnp.sin(x @ w)))(w), jnp.float32, "dW eagerly")
-
-
-def _sub_jaxprs(eqn):
-    for v in eqn.params.values():
-        for j in v if isinstance(v, (tuple, list)) else (v,):
-            inner = getattr(j, "jaxpr", j)
-            if hasattr(inner, "eqns"):
-                yield inner
-
-
-def _has(eqn, name: str) -> bool:
-    return eqn.primitive.name == name or any(_has(e, name) for j in _sub_jaxprs(eqn) for e in j.eqns)
 
 
 @pytest.mark.parametrize("u", [1, 2])

@@ -16,7 +16,7 @@ from flax import nnx
 import jax_cp
 from jax_cp import reference
 from jax_cp.kernels._blockwise import Meta, block_visible, make_spec
-from util import assert_close, assert_matches, random_qkv
+from util import assert_close, assert_matches, has_primitive, random_qkv, sub_jaxprs
 
 lb_positions = jax_cp.load_balance.positions
 
@@ -290,26 +290,26 @@ def test_masks_known_when_traced_under_an_explicit_mesh(exchange, cut):
 
 
 def _sub_jaxpr(eqn):
-    """The one sub-jaxpr whose inputs are ``eqn``'s (shard_map, pjit), else None."""
-    for v in eqn.params.values():
-        inner = getattr(v, "jaxpr", v)
-        if hasattr(inner, "eqns") and len(inner.invars) == len(eqn.invars):
-            return inner
-    return None
+    """The one sub-jaxpr whose inputs are ``eqn``'s (shard_map, jit, custom_vjp_call), else None."""
+    return next((j for j in sub_jaxprs(eqn) if len(j.invars) == len(eqn.invars)), None)
 
 
-def _contains(eqn, name: str) -> bool:
-    inner = [getattr(v, "jaxpr", v) for v in eqn.params.values()]
-    return eqn.primitive.name == name or any(_contains(e, name) for j in inner if hasattr(j, "eqns") for e in j.eqns)
+def _eqns(eqn):
+    """``eqn`` and every equation it holds, at any depth."""
+    yield eqn
+    for j in sub_jaxprs(eqn):
+        for e in j.eqns:
+            yield from _eqns(e)
+
+
+def _holds_a_ring(eqn) -> bool:
+    return eqn.primitive.name == "custom_vjp_call" and has_primitive(eqn, "ppermute")
 
 
 def _is_ring_vjp(eqn) -> bool:
     """The innermost ``custom_vjp_call`` holding a ``ppermute``: the ring's own."""
-    if eqn.primitive.name != "custom_vjp_call" or not _contains(eqn, "ppermute"):
-        return False
-    inner = getattr(eqn.params["call_jaxpr"], "jaxpr", eqn.params["call_jaxpr"])
-    return not any(_is_ring_vjp(e) or (_sub_jaxpr(e) is not None and any(
-        _is_ring_vjp(x) for x in _sub_jaxpr(e).eqns)) for e in inner.eqns)
+    return _holds_a_ring(eqn) and not any(_holds_a_ring(x) for j in sub_jaxprs(eqn) for e in j.eqns
+                                          for x in _eqns(e))
 
 
 def _splash_ring_operands(jaxpr, deps, found):
@@ -320,7 +320,7 @@ def _splash_ring_operands(jaxpr, deps, found):
         src = [set() if hasattr(a, "val") else deps.get(a, set()) for a in e.invars]
         inner = _sub_jaxpr(e)
         if _is_ring_vjp(e):
-            assert _contains(e, "pallas_call")
+            assert has_primitive(e, "pallas_call")
             found.append([(a.aval.dtype, s) for a, s in zip(e.invars, src)])
         if inner is not None and len(inner.outvars) == len(e.outvars):
             outs = _splash_ring_operands(inner, dict(zip(inner.invars, src)), found)

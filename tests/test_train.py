@@ -998,14 +998,17 @@ def test_auto_remat_takes_the_first_policy_whose_step_fits(monkeypatch):
         monkeypatch.setattr(train, "_memory_limit", lambda mesh: limit)
         assert train._step_fits(small, mesh) is fits
 
-    memory = lambda total: types.SimpleNamespace(memory=types.SimpleNamespace(total=total, budget=100))  # noqa: E731
+    from jax_cp import plan
+
+    memory = lambda total: types.SimpleNamespace(memory=plan.Memory(  # noqa: E731
+        arguments=total, outputs=0, temporaries=0, aliased=0, code=0, peak=0, budget=100))
     planned = {"attention": memory(120), "full": memory(90), "offload": memory(50)}
-    compiled = []
+    compiled, refused = [], {"attention"}
 
     def plan_one(c, topology, budget, flags):
         compiled.append(c.remat_policy)
-        if c.remat_policy == "attention":  # as the TPU compiler refuses a program over HBM
-            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+        if c.remat_policy in refused:  # as the TPU compiler refuses a program over HBM
+            raise jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: {c.remat_policy} ran out of memory in hbm")
         return planned[c.remat_policy]
 
     monkeypatch.setattr(train, "_plan_one", plan_one)
@@ -1013,3 +1016,10 @@ def test_auto_remat_takes_the_first_policy_whose_step_fits(monkeypatch):
     compiled.clear()
     planned["full"] = memory(110)
     assert train.plan_train_step(cfg, "v5e:2x4") is planned["offload"] and compiled == ["attention", "full", "offload"]
+    compiled.clear()
+    refused.add("offload")  # none fits: the last policy's refusal, compiled once
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED: offload ran out"):
+        train.plan_train_step(cfg, "v5e:2x4")
+    assert compiled == ["attention", "full", "offload"]
+    assert train.planned_remat("train step tiny remat=offload") == "offload"
+    assert train.planned_remat("train step tiny") is None

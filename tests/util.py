@@ -94,3 +94,17 @@ def assert_matches(f, ref, args, ct, dtype, what=""):
     assert_close(out, r_out, dtype, f"forward {what}")
     for i, (g, rg) in enumerate(zip(grads, r_grads)):
         assert_close(g, rg, dtype, f"grad {i} {what}")
+
+
+def sub_jaxprs(eqn):
+    """The jaxprs an equation holds (shard_map's, jit's, a custom_vjp_call's, scan's...)."""
+    for v in eqn.params.values():
+        for j in v if isinstance(v, (tuple, list)) else (v,):
+            inner = getattr(j, "jaxpr", j)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def has_primitive(eqn, name: str) -> bool:
+    """Whether ``eqn`` is, or holds at any depth, a ``name`` primitive."""
+    return eqn.primitive.name == name or any(has_primitive(e, name) for j in sub_jaxprs(eqn) for e in j.eqns)

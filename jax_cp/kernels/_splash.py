@@ -111,10 +111,8 @@ MAX_BLOCKS = 384
 def _block(length: int) -> int:
     """The block size along a (padded) length: 512 (else 256 or 128, the largest dividing it), or 1024 or
     2048 where 512 would cut it into more than ``MAX_BLOCKS`` blocks."""
-    if length % 512 == 0 and length // 512 > MAX_BLOCKS:
-        return next((b for b in (1024, 2048) if length % b == 0 and length // b <= MAX_BLOCKS), 2048
-                    if length % 2048 == 0 else 1024 if length % 1024 == 0 else 512)
-    return next(b for b in (512, 256, 128) if length % b == 0)
+    within = [b for b in (512, 1024, 2048) if length % b == 0 and length // b <= MAX_BLOCKS]
+    return within[0] if within else next(b for b in (2048, 1024, 512, 256, 128) if length % b == 0)
 
 
 def _pad_len(x, length, value):

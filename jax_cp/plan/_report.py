@@ -36,6 +36,24 @@ class Memory:
         if self.budget <= 0:
             raise ValueError(f"budget={self.budget} bytes must be positive.")
 
+    @classmethod
+    def of(cls, compiled, budget: int) -> "Memory":
+        """The memory analysis of a compiled program.
+
+        Args:
+            compiled: a compiled program (``jax.jit(f).lower(...).compile()``), or an object with its
+                ``memory_analysis()``.
+            budget: the device's memory in bytes.
+
+        Returns:
+            Its :class:`Memory` per device, checked against ``budget``.
+        """
+        m = compiled.memory_analysis()
+        return cls(arguments=int(m.argument_size_in_bytes), outputs=int(m.output_size_in_bytes),
+                   temporaries=int(m.temp_size_in_bytes), aliased=int(m.alias_size_in_bytes),
+                   code=int(m.generated_code_size_in_bytes), peak=int(getattr(m, "peak_memory_in_bytes", 0) or 0),
+                   budget=budget)
+
     @property
     def total(self) -> int:
         """Peak bytes in use: the compiler's peak, never below arguments+outputs+temporaries-aliased."""
@@ -158,13 +176,7 @@ def analysis_of(label: str, compiled, schedule: Schedule, chip: Chip, budget: in
     Returns:
         The :class:`Analysis`: memory, collectives and the estimated step.
     """
-    m = compiled.memory_analysis()
-    memory = Memory(
-        arguments=int(m.argument_size_in_bytes), outputs=int(m.output_size_in_bytes),
-        temporaries=int(m.temp_size_in_bytes), aliased=int(m.alias_size_in_bytes),
-        code=int(m.generated_code_size_in_bytes), peak=int(getattr(m, "peak_memory_in_bytes", 0) or 0),
-        budget=budget,
-    )
+    memory = Memory.of(compiled, budget)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)) + loop_bytes
