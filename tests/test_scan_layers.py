@@ -187,8 +187,8 @@ def test_the_mlp_hides_its_tp_collectives_under_its_token_pieces():
     assert sum(c.overlapped for c in pieces) >= 3, [(c.kind, c.phase, c.overlapped) for c in pieces]
     # The mask metadata (positions, segment ids: whole rows on every device) are gathered once for the step,
     # outside the loop: every all-gather in the loop's body is one the model issues (an FSDP weight's, tp's).
-    # Left to the layers, the backward's rematerialised layers each gathered them again (16 MiB twice a layer
-    # at 4M tokens on Ironwood's 128 devices).
+    # Gathered in the layers instead, each rematerialised layer of the backward gathers them again (16 MiB twice
+    # a layer at 4M tokens on Ironwood's 128 devices).
     gathers = [c for c in a.schedule.collectives if c.in_loop and c.kind == "all-gather"]
     assert gathers and all(c.op_name.endswith("shard_map/all_gather") for c in gathers), \
         [(c.bytes, c.phase, c.op_name) for c in gathers if not c.op_name.endswith("shard_map/all_gather")]
