@@ -217,3 +217,37 @@ def test_float64_inputs_are_refused_not_rounded():
         x, dt, A, b, c, D, _ = ssd_args(1, 16, 2, 4, 4, 1)
         with pytest.raises(ValueError, match=r"x.*dtype=float64: the linear layers carry their state in float32"):
             linear.mamba2_ssd(x.astype(jnp.float64), dt, A, b, c, chunk_size=8)
+
+
+@pytest.mark.parametrize("C", [16, 12])
+def test_the_chunk_inverse_and_its_gradient_equal_a_dense_inverse(C):
+    """The chunk's unit lower triangular inverse (blocked, with its own VJP ``-m^-T g m^-T``) equals a
+    dense inverse, and so does its gradient on the strictly lower entries (the only ones it reads)."""
+    from jax_cp.linear._chunk import unit_lower_inverse
+    k1, k2 = jax.random.split(jax.random.key(3))
+    low = 0.3 * jnp.tril(jax.random.normal(k1, (3, 2, C, C), F32), -1)
+    ct = jax.random.normal(k2, low.shape, F32)
+    eye = jnp.eye(C, dtype=F32)[None, None]
+    mine, vjp = jax.vjp(lambda l: unit_lower_inverse(eye + l), low)
+    dense, dense_vjp = jax.vjp(lambda l: jnp.linalg.inv(eye + jnp.tril(l, -1)), low)
+    assert_close(mine, dense, F32, "inverse")
+    (g,), (want,) = vjp(ct), dense_vjp(ct)
+    assert float(jnp.abs(want).max()) > 0
+    assert_close(g, want, F32, "gradient")
+    assert float(jnp.abs(jnp.triu(g)).max()) == 0.0, "the diagonal and upper entries are not read"
+
+
+@pytest.mark.parametrize("s_shape", [(4, 6), (4, 6, 1), (4, 6, 5)], ids=["vector", "column", "elementwise"])
+def test_scaled_products_equal_the_broadcast_product_and_its_gradients(s_shape):
+    """``scaled`` (a contraction on CPU, so its gradient is a dot) is ``x * s`` broadcast over the last axis."""
+    from jax_cp.linear._chunk import scaled
+    k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
+    x, s = jax.random.normal(k1, (4, 6, 5), F32), jax.random.normal(k2, s_shape, F32)
+    ct = jax.random.normal(k3, x.shape, F32)
+    plain = lambda x, s: x * (s[..., None] if s.ndim < x.ndim else s)  # noqa: E731
+    got, vjp = jax.vjp(scaled, x, s)
+    want, want_vjp = jax.vjp(plain, x, s)
+    assert_close(got, want, F32, "product")
+    for a, b in zip(vjp(ct), want_vjp(ct)):
+        assert a.shape == b.shape
+        assert_close(a, b, F32, "gradient")

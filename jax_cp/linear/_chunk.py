@@ -15,10 +15,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_cp.linear._topology import running
 
-__all__ = ["Intra", "Runs", "gdn_intra", "k_bar_at", "maps_at", "runs", "ssd_intra"]
+__all__ = ["Intra", "Runs", "gdn_intra", "k_bar_at", "maps_at", "runs", "scaled", "ssd_intra", "unit_lower_inverse"]
 
 
 @jax.tree_util.register_dataclass
@@ -56,6 +57,20 @@ def runs(heads_BNC) -> Runs:
     return Runs(run=running(jnp.add, heads.astype(jnp.int32)) - 1, head=running(jnp.maximum, jnp.where(heads, t, 0)))
 
 
+def scaled(x, s):
+    """``x [..., d]`` times ``s``: ``[..., 1]`` or ``[...]`` (broadcast over ``d``) or ``x``'s shape.
+
+    A broadcast product's transpose for ``s`` (in every gradient) is a multiply and a reduce, which
+    XLA:CPU runs as a YNNPACK reduce fusion 10-30x slower than a dot; on CPU the product is therefore a
+    contraction-free ``dot_general``, whose transpose is a dot. Other backends multiply."""
+    if s.shape == x.shape:
+        return x * s
+    s = s[..., 0] if s.ndim == x.ndim else s
+    return lax.platform_dependent(
+        x, s, cpu=lambda x, s: jnp.einsum("...d,...->...d", x, s, precision=lax.Precision.HIGHEST),
+        default=lambda x, s: x * s[..., None])
+
+
 def _masked_exp(diff, mask):
     return jnp.exp(jnp.where(mask, diff, -jnp.inf))
 
@@ -84,10 +99,16 @@ def _masks(r: Runs):
     return (same & (s_t[0] < s_t[1])[None, None])[:, None], (same & (s_t[0] <= s_t[1])[None, None])[:, None]
 
 
+@jax.custom_vjp
 def unit_lower_inverse(m_CC):
     """``m^{-1}`` of unit lower triangular matrices ``[.., C, C]``: diagonal blocks of 1, 2, 4, ... tokens
     joined pairwise (``[[A, 0], [M, D]]^{-1} = [[A^-1, 0], [-D^-1 M A^-1, D^-1]]``): batched matmuls only,
-    where a triangular solve is a loop over rows."""
+    where a triangular solve is a loop over rows. Its gradient is ``-m^-T g m^-T`` on the strictly lower
+    part (two matmuls, not the transposes of every block's slices and pads)."""
+    return _blocked_inverse(m_CC)
+
+
+def _blocked_inverse(m_CC):
     C = m_CC.shape[-1]
     n = 1 << (C - 1).bit_length()
     m = jnp.pad(m_CC, [(0, 0)] * (m_CC.ndim - 2) + [(0, n - C)] * 2)
@@ -102,6 +123,19 @@ def unit_lower_inverse(m_CC):
     return inv.reshape(m.shape)[..., :C, :C]
 
 
+def _inverse_fwd(m_CC):
+    inv = _blocked_inverse(m_CC)
+    return inv, inv
+
+
+def _inverse_bwd(inv, g):
+    inv_t = jnp.swapaxes(inv, -1, -2)
+    return (jnp.tril(-(inv_t @ g @ inv_t), -1),)
+
+
+unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
+
+
 def gdn_intra(q, k, v, g, beta, r: Runs) -> Intra:
     """The delta rule's chunk parts: ``q`` (scaled), ``k`` ``[B, H, N, C, k]``, ``v [.., v]``, ``g [.., d]``
     (log decays), ``beta [B, H, N, C]``."""
@@ -109,11 +143,11 @@ def gdn_intra(q, k, v, g, beta, r: Runs) -> Intra:
     strict, incl = _masks(r)
     a_kk = _pairs(k, k, G, strict)
     a_qk = _pairs(q, k, G, incl)
-    system = jnp.eye(a_kk.shape[-1], dtype=a_kk.dtype)[None, None, None] + beta[..., :, None] * a_kk
-    rhs = beta[..., None] * jnp.concatenate([v, k * jnp.exp(Gr)], axis=-1)
+    system = jnp.eye(a_kk.shape[-1], dtype=a_kk.dtype)[None, None, None] + scaled(a_kk, beta)
+    rhs = scaled(jnp.concatenate([v, scaled(k, jnp.exp(Gr))], axis=-1), beta)
     w = unit_lower_inverse(system) @ rhs
     w_v, w_k = w[..., :v.shape[-1]], w[..., v.shape[-1]:]
-    q_eff = q * jnp.exp(Gr) - a_qk @ w_k
+    q_eff = scaled(q, jnp.exp(Gr)) - a_qk @ w_k
     return Intra(o_intra=a_qk @ w_v, q_eff=q_eff, w_k=w_k, w_v=w_v, k=k, G=G, Gr=Gr, runs=r)
 
 
@@ -123,7 +157,7 @@ def ssd_intra(c, b, x, g, r: Runs) -> Intra:
     G, Gr = _gates(g, r)
     _, incl = _masks(r)
     a_qk = _pairs(c, b, G, incl)
-    return Intra(o_intra=a_qk @ x, q_eff=c * jnp.exp(Gr), w_k=None, w_v=x, k=b, G=G, Gr=Gr, runs=r)
+    return Intra(o_intra=a_qk @ x, q_eff=scaled(c, jnp.exp(Gr)), w_k=None, w_v=x, k=b, G=G, Gr=Gr, runs=r)
 
 
 def select(intra: Intra, chunk_BM) -> Intra:
@@ -145,7 +179,7 @@ def k_bar_at(intra: Intra, tau_BN):
     run_tau = jnp.take_along_axis(intra.runs.run, tau_BN[..., None], axis=-1)
     C = intra.k.shape[-2]
     keep = ((jnp.arange(C)[None, None] <= tau_BN[..., None]) & (intra.runs.run == run_tau))[:, None, ..., None]
-    return intra.k * _masked_exp(at(intra.G) - intra.G, keep), jnp.exp(at(intra.Gr))[..., 0, :]
+    return scaled(intra.k, _masked_exp(at(intra.G) - intra.G, keep)), jnp.exp(at(intra.Gr))[..., 0, :]
 
 
 def maps_at(intra: Intra, tau_BN):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp.linear._args import check_ssd, check_state, refuse_spans
-from jax_cp.linear._chunk import ssd_intra
+from jax_cp.linear._chunk import scaled, ssd_intra
 from jax_cp.linear._cp import HEADS, META, STATE, chunked, layout, placed_meta, run, shard_state, to_heads, \
     to_seq, unchunked
 from jax_cp.linear._recurrent import mamba2_step
@@ -55,7 +55,7 @@ def mamba2_ssd(x_BSHp, dt_BSH, A_H, B_BSGn, C_BSGn, *, D_H=None, mesh=None, posi
     rep = math.lcm(G, lay.t * lay.u) // G  # whole groups on every device that holds their heads
     b, c = (jnp.repeat(a, rep, axis=2) if rep > 1 else a for a in (B_BSGn, C_BSGn))
     dt = dt_BSH.astype(jnp.float32)
-    xdt, g = x_BSHp.astype(jnp.float32) * dt[..., None], (dt * A_H.astype(jnp.float32)[None, None])[..., None]
+    xdt, g = scaled(x_BSHp.astype(jnp.float32), dt), (dt * A_H.astype(jnp.float32)[None, None])[..., None]
     y, final = _ssd(xdt, g, b, c, pos, seg, x0, lay=lay, dtype=jnp.dtype(x_BSHp.dtype))
     if D_H is not None:
         skip = x_BSHp.astype(jnp.float32) * D_H.astype(jnp.float32)[None, None, :, None]
