@@ -144,9 +144,8 @@ def gdn_intra(q, k, v, g, beta, r: Runs) -> Intra:
     a_kk = _pairs(k, k, G, strict)
     a_qk = _pairs(q, k, G, incl)
     system = jnp.eye(a_kk.shape[-1], dtype=a_kk.dtype)[None, None, None] + scaled(a_kk, beta)
-    rhs = scaled(jnp.concatenate([v, scaled(k, jnp.exp(Gr))], axis=-1), beta)
-    w = unit_lower_inverse(system) @ rhs
-    w_v, w_k = w[..., :v.shape[-1]], w[..., v.shape[-1]:]
+    inv = unit_lower_inverse(system)
+    w_v, w_k = inv @ scaled(v, beta), inv @ scaled(scaled(k, jnp.exp(Gr)), beta)
     q_eff = scaled(q, jnp.exp(Gr)) - a_qk @ w_k
     return Intra(o_intra=a_qk @ w_v, q_eff=q_eff, w_k=w_k, w_v=w_v, k=k, G=G, Gr=Gr, runs=r)
 
