@@ -237,15 +237,17 @@ def test_the_chunk_inverse_and_its_gradient_equal_a_dense_inverse(C):
     assert float(jnp.abs(jnp.triu(g)).max()) == 0.0, "the diagonal and upper entries are not read"
 
 
-@pytest.mark.parametrize("s_shape", [(4, 6), (4, 6, 1), (4, 6, 5)], ids=["vector", "column", "elementwise"])
+@pytest.mark.parametrize("s_shape", [(4, 6), (4, 6, 1), (4, 6, 5), (5,)], ids=["vector", "column", "elementwise", "channel"])
 def test_scaled_products_equal_the_broadcast_product_and_its_gradients(s_shape):
-    """``scaled`` (a contraction on CPU, so its gradient is a dot) is ``x * s`` broadcast over the last axis."""
-    from jax_cp.linear._chunk import scaled
+    """``scaled`` and ``channel_scaled`` (contractions on CPU, so their gradients are dots) are ``x * s``
+    broadcast over the last axis, or over the leading ones for a weight per channel."""
+    from jax_cp.linear._products import channel_scaled, scaled
     k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
     x, s = jax.random.normal(k1, (4, 6, 5), F32), jax.random.normal(k2, s_shape, F32)
     ct = jax.random.normal(k3, x.shape, F32)
-    plain = lambda x, s: x * (s[..., None] if s.ndim < x.ndim else s)  # noqa: E731
-    got, vjp = jax.vjp(scaled, x, s)
+    fn = channel_scaled if s.ndim == 1 else scaled
+    plain = lambda x, s: x * (s[None, None] if s.ndim == 1 else s[..., None] if s.ndim < x.ndim else s)  # noqa: E731
+    got, vjp = jax.vjp(fn, x, s)
     want, want_vjp = jax.vjp(plain, x, s)
     assert_close(got, want, F32, "product")
     for a, b in zip(vjp(ct), want_vjp(ct)):

@@ -15,11 +15,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
+from jax_cp.linear._products import scaled
 from jax_cp.linear._topology import running
 
-__all__ = ["Intra", "Runs", "gdn_intra", "k_bar_at", "maps_at", "runs", "scaled", "ssd_intra", "unit_lower_inverse"]
+__all__ = ["Intra", "Runs", "gdn_intra", "k_bar_at", "maps_at", "runs", "ssd_intra", "unit_lower_inverse"]
 
 
 @jax.tree_util.register_dataclass
@@ -55,20 +55,6 @@ def runs(heads_BNC) -> Runs:
     t = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), heads_BNC.shape)
     heads = heads_BNC | (t == 0)
     return Runs(run=running(jnp.add, heads.astype(jnp.int32)) - 1, head=running(jnp.maximum, jnp.where(heads, t, 0)))
-
-
-def scaled(x, s):
-    """``x [..., d]`` times ``s``: ``[..., 1]`` or ``[...]`` (broadcast over ``d``) or ``x``'s shape.
-
-    A broadcast product's transpose for ``s`` (in every gradient) is a multiply and a reduce, which
-    XLA:CPU runs as a YNNPACK reduce fusion 10-30x slower than a dot; on CPU the product is therefore a
-    contraction-free ``dot_general``, whose transpose is a dot. Other backends multiply."""
-    if s.shape == x.shape:
-        return x * s
-    s = s[..., 0] if s.ndim == x.ndim else s
-    return lax.platform_dependent(
-        x, s, cpu=lambda x, s: jnp.einsum("...d,...->...d", x, s, precision=lax.Precision.HIGHEST),
-        default=lambda x, s: x * s[..., None])
 
 
 def _masked_exp(diff, mask):

@@ -21,6 +21,7 @@ from jax_cp._mesh import COLOSSAL, CP, DP, TP, ULYSSES
 from jax_cp._vma import vary_as
 from jax_cp.linear._args import check_conv, check_state, refuse_spans
 from jax_cp.linear._cp import META, Layout, layout, pieces_for, placed_meta, run
+from jax_cp.linear._products import channel_scaled
 from jax_cp.linear._recurrent import activate, conv_step
 from jax_cp.linear._topology import CONT, START, running, topology
 
@@ -88,10 +89,10 @@ def _rank(lay: Layout):
 def _local(x, w, d_BL):
     """``sum_j w[W-1-j] x_{t-j}`` over the ``j <= d_t`` earlier tokens of each token's run."""
     W, L = w.shape[0], x.shape[1]
-    y = x * w[None, None, W - 1]
+    y = channel_scaled(x, w[W - 1])
     for j in range(1, W):
         prev = jnp.pad(x, ((0, 0), (j, 0), (0, 0)))[:, :L]
-        y = y + jnp.where((d_BL >= j)[..., None], prev, 0.0) * w[None, None, W - 1 - j]
+        y = y + channel_scaled(jnp.where((d_BL >= j)[..., None], prev, 0.0), w[W - 1 - j])
     return y
 
 
@@ -100,7 +101,7 @@ def _weighed_halos(halo_BRWC, w):
     W = w.shape[0]
     rows = []
     for d in range(W - 1):
-        rows.append(sum(w[None, None, W - 1 - j] * halo_BRWC[:, :, W - 1 - (j - d)] for j in range(d + 1, W)))
+        rows.append(sum(channel_scaled(halo_BRWC[:, :, W - 1 - (j - d)], w[W - 1 - j]) for j in range(d + 1, W)))
     return jnp.stack(rows, axis=2)  # [B, R, W-1, C]
 
 

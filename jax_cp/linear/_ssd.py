@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp.linear._args import check_ssd, check_state, refuse_spans
-from jax_cp.linear._chunk import scaled, ssd_intra
+from jax_cp.linear._chunk import ssd_intra
 from jax_cp.linear._cp import HEADS, META, STATE, chunked, layout, placed_meta, run, shard_state, to_heads, \
     to_seq, unchunked
+from jax_cp.linear._products import scaled
 from jax_cp.linear._recurrent import mamba2_step
 
 __all__ = ["mamba2_ssd", "mamba2_step"]
