@@ -30,7 +30,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_cp import kernels
-from jax_cp._mesh import COLOSSAL, DP, ULYSSES, place
+from jax_cp._mesh import COLOSSAL, DP, METADATA, ULYSSES, place
 from jax_cp._ulysses import heads_to_seq, seq_to_heads
 from jax_cp._meta import Meta
 
@@ -40,7 +40,7 @@ __all__ = ["attention_shard", "GivenQKV", "placed_metadata", "span_sides", "chec
 # [B, S] positions / segment ids: replicated over the sequence axes. Each device slices
 # the parts it needs, so the layer runs no collective for metadata (ints, B*S*4 bytes,
 # gathered once outside the layer and shared by every layer of a model).
-META_SPEC = P(DP, None)
+META_SPEC = METADATA
 
 
 def attention_shard(projections, meta: Meta, *, spec, keep_kv: bool = False):

@@ -24,8 +24,9 @@ from jax_cp._checks import check_positive_int
 DP, COLOSSAL, ULYSSES, TP = "dp", "cp_colossal", "cp_ulysses", "tp"
 AXES = (DP, COLOSSAL, ULYSSES, TP)
 CP = (COLOSSAL, ULYSSES)  # the sequence axis is sharded colossal-major
+METADATA = P(DP, None)  # [B, S] positions / segment ids / span ids: whole rows on every device
 
-__all__ = ["AXES", "CP", "MeshDims", "make_mesh", "mesh_dims", "place", "seq_chunk"]
+__all__ = ["AXES", "CP", "METADATA", "MeshDims", "make_mesh", "mesh_dims", "place", "place_metadata", "seq_chunk"]
 
 
 def make_mesh(
@@ -151,6 +152,40 @@ def place(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
     if is_explicit(mesh):
         return jax.reshard(x, sharding)
     return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def place_metadata(mesh: Mesh | None, *arrays):
+    """Positions, segment ids and span ids placed as every jax_cp layer reads them: whole rows.
+
+    Attention and the linear layers read each row's mask metadata whole on every device
+    (``P("dp", None)`` for ``[B, S]``; ``[S]`` ones replicated). Metadata sharded along the sequence
+    are gathered where a layer reads them, and inside a rematerialised layer (``jax.checkpoint``,
+    ``nnx.remat``, a scan over layers) that gather is redone by every layer of the backward. Placing
+    them once before the layers makes it one gather a step.
+
+    Args:
+        mesh: a :func:`make_mesh` mesh (Auto or Explicit axes), or ``None`` (the arrays come back as
+            they are).
+        *arrays: ``[B, S]`` or ``[S]`` integer arrays, or ``None`` (passed through).
+
+    Returns:
+        A tuple of the arrays in order, placed ``P("dp", None)`` (``[B, S]``) or ``P()`` (``[S]``).
+
+    Raises:
+        ValueError: an array that is not ``[B, S]`` or ``[S]``, or not integer.
+    """
+    for i, a in enumerate(arrays):
+        if a is None:
+            continue
+        if jnp.ndim(a) not in (1, 2):
+            raise ValueError(f"arrays[{i}].shape={tuple(jnp.shape(a))}: mask metadata are [B, S] or [S] "
+                             "(positions, segment ids, span ids); pass one per argument.")
+        if not jnp.issubdtype(jnp.result_type(a), jnp.integer):
+            raise ValueError(f"arrays[{i}].dtype={jnp.result_type(a)}: mask metadata are integers; cast them "
+                             "with .astype(jnp.int32).")
+    if mesh is None:
+        return tuple(arrays)
+    return tuple(None if a is None else place(a, mesh, METADATA if jnp.ndim(a) == 2 else P()) for a in arrays)
 
 
 def _axes_of(entry) -> tuple[str, ...]:

@@ -463,11 +463,9 @@ class Llama(nnx.Module):
             x_BSD = x_BSD * jnp.float32(self.cfg.embed_scale)
         x_BSD = jax_cp.place(x_BSD.astype(self.residual_dtype), m, sh.residual_BSD)
         if infer is None and m is not None:
-            # Every layer reads whole rows of the mask metadata (P(dp, None); [S] ones whole). Gathered once
-            # here: inside a rematerialised layer the gather would be redone by every layer of the backward.
-            positions, segment_ids, span_ids = (
-                None if a is None else jax_cp.place(a, m, P(DP, None) if jnp.ndim(a) == 2 else P())
-                for a in (positions, segment_ids, span_ids))
+            # Every layer reads whole rows of the mask metadata: gathered once here, not by every
+            # rematerialised layer of the backward.
+            positions, segment_ids, span_ids = jax_cp.place_metadata(m, positions, segment_ids, span_ids)
 
         def apply(block, x, pos, seg, span):
             x = checkpoint_name(x, BLOCK_INPUT)  # what remat="offload" keeps in host memory

@@ -261,3 +261,30 @@ def test_remat_policy_names_its_choices():
     with pytest.raises(ValueError, match=r"--remat-policy='none' must be one of \('auto', 'full', 'attention', "
                                          r"'offload'\)"):
         train.TrainConfig(remat=True, remat_policy="none")
+
+
+@pytest.mark.parametrize("axis_types", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_place_metadata_places_whole_rows_once(axis_types):
+    """``jax_cp.place_metadata`` (what ``Llama.features`` calls before its layers): ``[B, S]`` metadata
+    ``P(dp, None)``, ``[S]`` ones whole, ``None`` passed through, values unchanged, on either axis type."""
+    mesh = jax_cp.make_mesh(dp=2, cp_colossal=2, cp_ulysses=2, axis_types=axis_types)
+    P = jax.sharding.PartitionSpec
+    pos = np.tile(np.arange(16, dtype=np.int32), (2, 1))
+    seg = (np.arange(16) >= 5).astype(np.int32)
+    with jax.set_mesh(mesh):
+        row_sharded = jax.device_put(pos, jax.sharding.NamedSharding(mesh, P("dp", ("cp_colossal", "cp_ulysses"))))
+        placed_pos, none, placed_seg = jax.jit(lambda p, s: jax_cp.place_metadata(mesh, p, None, s))(row_sharded, seg)
+    assert none is None
+    assert placed_pos.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, P("dp", None)), 2)
+    assert placed_seg.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, P()), 1)
+    np.testing.assert_array_equal(np.asarray(placed_pos), pos)
+    np.testing.assert_array_equal(np.asarray(placed_seg), seg)
+    assert jax_cp.place_metadata(None, pos, None) == (pos, None)
+
+
+def test_place_metadata_refuses_what_is_not_mask_metadata():
+    mesh = jax_cp.make_mesh(dp=2, cp_colossal=4)
+    with pytest.raises(ValueError, match=r"arrays\[1\].shape=\(2, 16, 1\): mask metadata are \[B, S\] or \[S\]"):
+        jax_cp.place_metadata(mesh, np.zeros((2, 16), np.int32), np.zeros((2, 16, 1), np.int32))
+    with pytest.raises(ValueError, match=r"arrays\[0\].dtype=float32: mask metadata are integers"):
+        jax_cp.place_metadata(mesh, np.zeros((2, 16), np.float32))

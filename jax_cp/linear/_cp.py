@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_cp._mesh import COLOSSAL, CP, DP, TP, ULYSSES, mesh_dims, place
+from jax_cp._mesh import COLOSSAL, CP, DP, METADATA, TP, ULYSSES, mesh_dims, place
 from jax_cp._ulysses import heads_to_seq, seq_to_heads
 from jax_cp._vma import vary_as
 from jax_cp.linear._args import check_metadata
@@ -30,7 +30,7 @@ __all__ = ["DEFAULT_PIECES", "HEADS", "META", "STATE", "Layout", "layout", "need
            "shard_state"]
 
 DEFAULT_PIECES = 16
-META = P(DP, None)  # [B, S] positions / segment ids, whole rows on every device
+META = METADATA  # [B, S] positions / segment ids, whole rows on every device
 HEADS = P(DP, CP, TP, None)  # [B, S, H, d]
 STATE = P(DP, (TP, ULYSSES), None, None)  # [B, H, v, k] after the Ulysses exchange
 
