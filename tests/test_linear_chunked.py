@@ -239,8 +239,8 @@ def test_the_chunk_inverse_and_its_gradient_equal_a_dense_inverse(C):
 
 @pytest.mark.parametrize("s_shape", [(4, 6), (4, 6, 1), (4, 6, 5), (5,)], ids=["vector", "column", "elementwise", "channel"])
 def test_scaled_products_equal_the_broadcast_product_and_its_gradients(s_shape):
-    """``scaled`` and ``channel_scaled`` (contractions on CPU, so their gradients are dots) are ``x * s``
-    broadcast over the last axis, or over the leading ones for a weight per channel."""
+    """``scaled`` (a contraction on CPU) and ``channel_scaled`` (its own VJP) are ``x * s`` broadcast over the
+    last axis, or over the leading ones for a weight per channel, values and gradients."""
     from jax_cp.linear._products import channel_scaled, scaled
     k1, k2, k3 = jax.random.split(jax.random.key(4), 3)
     x, s = jax.random.normal(k1, (4, 6, 5), F32), jax.random.normal(k2, s_shape, F32)

@@ -130,9 +130,9 @@ def gdn_intra(q, k, v, g, beta, r: Runs) -> Intra:
     a_kk = _pairs(k, k, G, strict)
     a_qk = _pairs(q, k, G, incl)
     system = jnp.eye(a_kk.shape[-1], dtype=a_kk.dtype)[None, None, None] + scaled(a_kk, beta)
-    inv = unit_lower_inverse(system)
-    w_v, w_k = inv @ scaled(v, beta), inv @ scaled(scaled(k, jnp.exp(Gr)), beta)
-    q_eff = scaled(q, jnp.exp(Gr)) - a_qk @ w_k
+    inv, decay = unit_lower_inverse(system), jnp.exp(Gr)
+    w_v, w_k = inv @ scaled(v, beta), inv @ scaled(scaled(k, decay), beta)
+    q_eff = scaled(q, decay) - a_qk @ w_k
     return Intra(o_intra=a_qk @ w_v, q_eff=q_eff, w_k=w_k, w_v=w_v, k=k, G=G, Gr=Gr, runs=r)
 
 

@@ -43,7 +43,7 @@ def _channel_scaled(x, w):
 
 
 def _channel_fwd(x, w):
-    return x * _bcast(w, x), (x, w)
+    return _channel_scaled(x, w), (x, w)
 
 
 def _channel_bwd(res, g):
