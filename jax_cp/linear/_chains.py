@@ -22,6 +22,7 @@ v value dim.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -77,22 +78,71 @@ def _local_scan_uncut(intra: Intra, kind_BNC, x0):
     flash-linear-attention's ``S d + (W_v - W_k S^T)^T K_bar`` (no ``[k, k]`` map is formed; the kept
     part ``S d`` stays exact at any matmul precision)."""
     B, H, N, C, _ = intra.q_eff.shape
-    tau = jnp.full((B, N), C - 1, jnp.int32)
-    k_bar, decay = _k_bar(intra, tau)
-    head_last = intra.runs.head[..., C - 1]
-    xs = (kind_BNC[..., 0], head_last == 0, intra.w_v, intra.w_k, k_bar, decay)
-    xs = tuple(None if a is None else jnp.moveaxis(a, 2 if a.ndim > 2 else 1, 0) for a in xs)
+    k_bar, decay = _k_bar(intra, jnp.full((B, N), C - 1, jnp.int32))
+    flags = (kind_BNC[..., 0] == CONT, intra.runs.head[..., C - 1] == 0)
+    floats = (intra.w_v, intra.w_k, k_bar, decay, x0)
+    return _state_scan(*(vary_as(a, *floats) for a in floats), *flags)
 
+
+def _front(a):
+    """``[B, H, N, ...]`` (or ``[B, N]``) -> chunks first, as a scan reads them."""
+    return None if a is None else jnp.moveaxis(a, 2 if a.ndim > 2 else 1, 0)
+
+
+def _decayed(S, decay):
+    """``S [.., v, k]`` times a chunk's decay ``[.., d]`` (one per key channel, or ``d = 1``)."""
+    return S * (decay[..., None, :] if decay.shape[-1] > 1 else decay[..., None])
+
+
+@jax.custom_vjp
+def _state_scan(w_v, w_k, k_bar, decay, x0, cont_BN, last_first_BN):
+    """The scan of :func:`_local_scan_uncut`, chunk by chunk: ``S_in = S`` where the chunk's first token
+    continues (``cont``) else ``x0``; the chunk's last run starts from ``S0 = S_in`` (``last_first``) or
+    ``x0``; ``u = W_v - W_k S0^T`` and the next ``S = S0 d + u^T K_bar``. Its own VJP saves ``S_in`` and
+    ``u`` per chunk, not each step's broadcast flags and ``S0``."""
+    return _state_scan_fwd(w_v, w_k, k_bar, decay, x0, cont_BN, last_first_BN)[0]
+
+
+def _state_scan_fwd(w_v, w_k, k_bar, decay, x0, cont_BN, last_first_BN):
     def body(S, x):
-        kind0, last_first, w_v, w_k, k_bar, decay = x
-        S_in = _where(kind0 == CONT, S, x0)
-        S0 = _where(last_first, S_in, x0)  # the last run's start: the chunk's open run, or a START
+        w_v, w_k, k_bar, decay, cont, last_first = x
+        S_in = _where(cont, S, x0)
+        S0 = _where(last_first, S_in, x0)
         u = w_v if w_k is None else w_v - jnp.einsum("...ck,...vk->...cv", w_k, S0)
-        kept = S0 * (decay[..., None, :] if decay.shape[-1] > 1 else decay[..., None])
-        return kept + jnp.einsum("...cv,...ck->...vk", u, k_bar), S_in
+        return _decayed(S0, decay) + jnp.einsum("...cv,...ck->...vk", u, k_bar), (S_in, None if w_k is None else u)
 
-    _, S_in = lax.scan(body, vary_as(jnp.zeros_like(x0), intra.w_v, x0), xs)
-    return jnp.moveaxis(S_in, 0, 2)
+    xs = tuple(_front(a) for a in (w_v, w_k, k_bar, decay, cont_BN, last_first_BN))
+    _, (S_in, u) = lax.scan(body, vary_as(jnp.zeros_like(x0), w_v, x0), xs)
+    res = (S_in, xs[0] if w_k is None else u) + xs[1:] + (x0,)  # chunks first, as the backward scan reads them
+    return jnp.moveaxis(S_in, 0, 2), res
+
+
+def _state_scan_bwd(res, g_in):
+    S_in, u, w_k, k_bar, decay, cont, last_first, x0 = res
+
+    def body(carry, x):
+        g_next, g_x0 = carry  # the cotangents of the chunk's outgoing state and of x0 so far
+        S_in, u, w_k, k_bar, decay, cont, last_first, g = x
+        S0 = _where(last_first, S_in, x0)
+        g_u = jnp.einsum("...ck,...vk->...cv", k_bar, g_next)
+        prod = g_next * S0
+        g_decay = prod.sum(-2) if decay.shape[-1] > 1 else prod.sum((-2, -1))[..., None]
+        g0 = _decayed(g_next, decay)
+        g_w_k = None
+        if w_k is not None:  # u = W_v - W_k S0^T
+            g0 = g0 - jnp.einsum("...cv,...ck->...vk", g_u, w_k)
+            g_w_k = -jnp.einsum("...cv,...vk->...ck", g_u, S0)
+        g = g + _where(last_first, g0, 0.0)
+        g_x0 = g_x0 + _where(~last_first, g0, 0.0) + _where(~cont, g, 0.0)
+        return (_where(cont, g, 0.0), g_x0), (g_u, g_w_k, jnp.einsum("...cv,...vk->...ck", u, g_next), g_decay)
+
+    zero = vary_as(jnp.zeros_like(x0), g_in, x0)
+    xs = (S_in, u, w_k, k_bar, decay, cont, last_first, _front(g_in))
+    (_, g_x0), grads = lax.scan(body, (zero, zero), xs, reverse=True)
+    return (*(None if a is None else jnp.moveaxis(a, 0, 2) for a in grads), g_x0, None, None)
+
+
+_state_scan.defvjp(_state_scan_fwd, _state_scan_bwd)
 
 
 def _tails(intra: Intra, kind_BNC, S_in, Phi_in, topo: Topology, x0, eye):
@@ -159,7 +209,7 @@ def _mid_cuts(intra: Intra, kind_of_head, gov_BNC, X, topo: Topology):
     return jnp.einsum("bpn,bhpcv->bhncv", (chunk[..., None] == jnp.arange(N)[None, None]).astype(corr.dtype), corr)
 
 
-def pass_states(intra: Intra, topo: Topology, x0, axis, *, cuts: bool = True):
+def pass_states(intra: Intra, topo: Topology, x0, axis, *, cuts: bool = True, initial: bool = True):
     """Outputs ``[B, H, N, C, v]`` and the row's final state ``[B, H, v, k]`` of one rank's chunks.
 
     Args:
@@ -169,6 +219,8 @@ def pass_states(intra: Intra, topo: Topology, x0, axis, *, cuts: bool = True):
         axis: the ``cp_colossal`` axis name, or ``None`` on one device.
         cuts: ``False`` where the host knows no token is ``CUT``: only the state is carried (no maps
             ``Phi``; about half the FLOPs of the delta rule), and no state travels on one device.
+        initial: ``False`` where ``x0`` is zero (no initial state given): the runs that start inside a
+            chunk from it add nothing, and their product with it is skipped.
 
     Returns:
         ``(o, final)``: NaN in rows whose layout needs more slots than the topology has.
@@ -188,10 +240,11 @@ def pass_states(intra: Intra, topo: Topology, x0, axis, *, cuts: bool = True):
     # local q_eff S_in^T and (q_eff Phi_in^T) X0^T, whose first factor is local too.
     m0 = (intra.runs.run == 0)[:, None, ..., None]
     kind_of_head = jnp.take_along_axis(kind, intra.runs.head, axis=-1)
-    start_mid = ((intra.runs.run > 0) & (kind_of_head == START))[:, None, ..., None]
     q0 = intra.q_eff * m0
-    o = (intra.o_intra + jnp.einsum("bhnck,bhvk->bhncv", intra.q_eff * start_mid, x0)
-         + jnp.einsum("bhnck,bhnvk->bhncv", q0, S_in))
+    o = intra.o_intra + jnp.einsum("bhnck,bhnvk->bhncv", q0, S_in)
+    if initial:  # the runs that start inside a chunk, from x0
+        start_mid = ((intra.runs.run > 0) & (kind_of_head == START))[:, None, ..., None]
+        o = o + jnp.einsum("bhnck,bhvk->bhncv", intra.q_eff * start_mid, x0)
     if not cuts:  # every state is local: the slots only carry the final state
         return _where(topo.ok, o, jnp.nan), _where(topo.ok, _final(_chain(phi_t, s_t, topo), topo), jnp.nan)
     q_phi = q0 * Phi_in if Phi_in.shape[-2:] == (1, 1) else jnp.einsum("bhnck,bhnjk->bhncj", q0, Phi_in)

@@ -213,9 +213,10 @@ def _rank(lay: Layout):
     return lax.axis_index(COLOSSAL) if lay.mesh is not None else 0
 
 
-def shard_state(lay: Layout, intra_fn, pos_BS, seg_BS, x0, ref):
+def shard_state(lay: Layout, intra_fn, pos_BS, seg_BS, x0, ref, *, initial: bool = True):
     """One rank's outputs ``[B, H, N, C, v]`` and final state: the topology of the whole row, the
-    chunk parts ``intra_fn(runs)`` and the state passing. ``ref``: an input whose vma the states take."""
+    chunk parts ``intra_fn(runs)`` and the state passing. ``ref``: an input whose vma the states take;
+    ``initial``: whether ``x0`` may be nonzero (``False``: the caller gave no initial state)."""
     topo = topology(pos_BS, seg_BS, _rank(lay), lay.c, lay.pieces)
     C = lay.chunk
     N = -(-lay.L // C)
@@ -223,7 +224,7 @@ def shard_state(lay: Layout, intra_fn, pos_BS, seg_BS, x0, ref):
     topo = dataclasses.replace(topo, kind=kind, gov=jnp.pad(topo.gov, ((0, 0), (0, N * C - lay.L)), mode="edge"))
     intra = intra_fn(runs(kind.reshape(kind.shape[0], N, C) != CONT))
     x0 = vary_as(x0, ref)
-    o, final = pass_states(intra, topo, x0, lay.axis, cuts=lay.cuts)
+    o, final = pass_states(intra, topo, x0, lay.axis, cuts=lay.cuts, initial=initial)
     if lay.mesh is not None:  # every rank composed the same final state: keep rank 0's, typed as replicated
         final = lax.psum(jnp.where(_rank(lay) == 0, final, 0.0), COLOSSAL)
     return o, final

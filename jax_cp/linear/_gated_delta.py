@@ -64,26 +64,26 @@ def gated_delta_rule(q_BSHk, k_BSHk, v_BSHv, g_BSH, beta_BSH, *, mesh=None, posi
     B, S, H, dk, dv = check_gdn(q_BSHk, k_BSHk, v_BSHv, g_BSH, beta_BSH, chunk_size)
     lay = layout(mesh, B, S, H, chunk_size, max_pieces)
     x0 = check_state("initial_state", initial_state, (B, H, dv, dk), "[B, H, dv, dk]")
-    x0 = jnp.zeros((B, H, dv, dk), jnp.float32) if x0 is None else x0
+    initial, x0 = x0 is not None, jnp.zeros((B, H, dv, dk), jnp.float32) if x0 is None else x0
     pos, seg, lay = placed_meta(positions, segment_ids, B, S, mesh, lay, sized=max_pieces is None)
     g = g_BSH if g_BSH.ndim == 4 else g_BSH[..., None]
     o, final = _gdn(q_BSHk, k_BSHk, v_BSHv, g, beta_BSH[..., None], pos, seg, x0, lay=lay,
-                    scale=default_scale(scale, dk))
+                    scale=default_scale(scale, dk), initial=initial)
     return (o, final) if return_state else o
 
 
-@partial(jax.jit, static_argnames=("lay", "scale"))
-def _gdn(q, k, v, g, beta, pos, seg, x0, *, lay, scale):
-    body = partial(_gdn_shard, lay=lay, scale=scale)
+@partial(jax.jit, static_argnames=("lay", "scale", "initial"))
+def _gdn(q, k, v, g, beta, pos, seg, x0, *, lay, scale, initial):
+    body = partial(_gdn_shard, lay=lay, scale=scale, initial=initial)
     return run(body, lay, (q, k, v, g, beta, pos, seg, x0), (HEADS,) * 5 + (META, META, STATE), (HEADS, STATE))
 
 
-def _gdn_shard(q, k, v, g, beta, pos, seg, x0, *, lay, scale):
+def _gdn_shard(q, k, v, g, beta, pos, seg, x0, *, lay, scale, initial):
     """One device: heads in, the chunk parts, the state passing, the sequence back."""
     dtype, ref = v.dtype, q
     q, k, v, g, beta = to_heads(lay, (q, k, v, g, beta))
     L = q.shape[1]
     cq, ck, cv, cg, cb = (chunked(a, lay.chunk) for a in (q, k, v, g, beta))
     intra = lambda r: gdn_intra(cq * scale, ck, cv, cg, cb[..., 0], r)  # noqa: E731
-    o, final = shard_state(lay, intra, pos, seg, x0, ref)
+    o, final = shard_state(lay, intra, pos, seg, x0, ref, initial=initial)
     return to_seq(lay, unchunked(o, L).astype(dtype)), final

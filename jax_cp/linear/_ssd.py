@@ -50,32 +50,32 @@ def mamba2_ssd(x_BSHp, dt_BSH, A_H, B_BSGn, C_BSGn, *, D_H=None, mesh=None, posi
     Bz, S, H, p, n = check_ssd(x_BSHp, dt_BSH, A_H, B_BSGn, C_BSGn, D_H, chunk_size)
     lay = layout(mesh, Bz, S, H, chunk_size, max_pieces)
     x0 = check_state("initial_state", initial_state, (Bz, H, p, n), "[B, H, p, n]")
-    x0 = jnp.zeros((Bz, H, p, n), jnp.float32) if x0 is None else x0
+    initial, x0 = x0 is not None, jnp.zeros((Bz, H, p, n), jnp.float32) if x0 is None else x0
     pos, seg, lay = placed_meta(positions, segment_ids, Bz, S, mesh, lay, sized=max_pieces is None)
     G = B_BSGn.shape[2]
     rep = math.lcm(G, lay.t * lay.u) // G  # whole groups on every device that holds their heads
     b, c = (jnp.repeat(a, rep, axis=2) if rep > 1 else a for a in (B_BSGn, C_BSGn))
     dt = dt_BSH.astype(jnp.float32)
     xdt, g = scaled(x_BSHp.astype(jnp.float32), dt), (dt * A_H.astype(jnp.float32)[None, None])[..., None]
-    y, final = _ssd(xdt, g, b, c, pos, seg, x0, lay=lay, dtype=jnp.dtype(x_BSHp.dtype))
+    y, final = _ssd(xdt, g, b, c, pos, seg, x0, lay=lay, dtype=jnp.dtype(x_BSHp.dtype), initial=initial)
     if D_H is not None:
         skip = x_BSHp.astype(jnp.float32) * D_H.astype(jnp.float32)[None, None, :, None]
         y = (y.astype(jnp.float32) + skip).astype(y.dtype)
     return (y, final) if return_state else y
 
 
-@partial(jax.jit, static_argnames=("lay", "dtype"))
-def _ssd(xdt, g, b, c, pos, seg, x0, *, lay, dtype):
-    body = partial(_ssd_shard, lay=lay, dtype=dtype)
+@partial(jax.jit, static_argnames=("lay", "dtype", "initial"))
+def _ssd(xdt, g, b, c, pos, seg, x0, *, lay, dtype, initial):
+    body = partial(_ssd_shard, lay=lay, dtype=dtype, initial=initial)
     return run(body, lay, (xdt, g, b, c, pos, seg, x0), (HEADS,) * 4 + (META, META, STATE), (HEADS, STATE))
 
 
-def _ssd_shard(xdt, g, b, c, pos, seg, x0, *, lay, dtype):
+def _ssd_shard(xdt, g, b, c, pos, seg, x0, *, lay, dtype, initial):
     """One device: heads in (groups repeated to the local heads), chunk parts, state passing, sequence back."""
     ref = xdt
     xdt, g, b, c = to_heads(lay, (xdt, g, b, c))
     L, H = xdt.shape[1:3]
     b, c = (jnp.repeat(a, H // a.shape[2], axis=2) for a in (b, c))
     cx, cg, cb, cc = (chunked(a, lay.chunk) for a in (xdt, g, b, c))
-    o, final = shard_state(lay, lambda r: ssd_intra(cc, cb, cx, cg, r), pos, seg, x0, ref)
+    o, final = shard_state(lay, lambda r: ssd_intra(cc, cb, cx, cg, r), pos, seg, x0, ref, initial=initial)
     return to_seq(lay, unchunked(o, L).astype(dtype)), final
