@@ -57,6 +57,31 @@ def test_mamba2_chunked_equals_the_recurrence():
     _compare(fast, ref, (x, dt, A, b, c, D, x0), "ssd")
 
 
+@pytest.mark.parametrize("layer", ["gdn", "ssd"])
+def test_eager_gradients_without_an_initial_state_equal_the_recurrence(layer):
+    """``jax.grad`` outside any jit, no ``initial_state`` (the documents starting inside chunks start from
+    zero, whose product the layers skip), several chunks a row (the one-device state scan's own VJP):
+    the loss and every gradient equal the recurrence's."""
+    kw = dict(positions=POS, segment_ids=SEG)
+    if layer == "gdn":
+        args = gdn_args(B, S, 2, 8, 6)[:5]
+        fast = lambda *a: linear.gated_delta_rule(*a, chunk_size=8, **kw)  # noqa: E731
+        ref = lambda *a: linear.reference.gated_delta_rule(*a, **kw)  # noqa: E731
+    else:
+        x, dt, A, b, c, D, _ = ssd_args(B, S, 4, 6, 8, 2)
+        args = (x, dt, A, b, c)
+        fast = lambda *a: linear.mamba2_ssd(*a, D_H=D, chunk_size=8, **kw)  # noqa: E731
+        ref = lambda *a: linear.reference.mamba2_ssd(*a, D_H=D, **kw)  # noqa: E731
+    ct = cotangent(ref(*args))
+    argnums = tuple(range(len(args)))
+    got = jax.value_and_grad(lambda *a: jnp.sum(fast(*a) * ct), argnums)(*args)
+    want = jax.value_and_grad(lambda *a: jnp.sum(ref(*a) * ct), argnums)(*args)
+    assert_close(got[0], want[0], F32, f"loss {layer}")
+    for i, (a, b) in enumerate(zip(got[1], want[1])):
+        assert float(jnp.abs(b).max()) > 0, f"input {i} does not reach the output ({layer})"
+        assert_close(a, b, F32, f"grad {i} {layer}")
+
+
 @pytest.mark.parametrize("width", [1, 4])
 def test_conv_equals_the_recurrence(width):
     x, w, bias, x0 = conv_args(B, S, 6, width)

@@ -28,7 +28,7 @@ from jax import lax
 
 from jax_cp._vma import vary_as
 from jax_cp.exchanges.all_to_all import spread_kv
-from jax_cp.linear._chunk import Intra, k_bar_at as _k_bar, maps_at, select
+from jax_cp.linear._chunk import Intra, decayed, k_bar_at as _k_bar, maps_at, select
 from jax_cp.linear._topology import CONT, CUT, START, Topology
 
 __all__ = ["pass_states"]
@@ -47,6 +47,11 @@ def _where(flag_B, a, b):
     return jnp.where(f, a, b)
 
 
+def _front(a):
+    """``[B, H, N, ...]`` (or ``[B, N]``) -> chunks first, as a scan reads them."""
+    return None if a is None else jnp.moveaxis(a, 2 if a.ndim > 2 else 1, 0)
+
+
 def _local_scan(intra: Intra, kind_BNC, x0, eye):
     """The states entering every chunk, ``(S_in, Phi_in)`` ``[B, H, N, ...]``: ``CUT`` runs from zero."""
     B, H, N, C, _ = intra.q_eff.shape
@@ -54,7 +59,7 @@ def _local_scan(intra: Intra, kind_BNC, x0, eye):
     head_last = intra.runs.head[..., C - 1]
     kind_last = jnp.take_along_axis(kind_BNC, head_last[..., None], axis=-1)[..., 0]
     xs = (kind_BNC[..., 0], kind_last, head_last == 0, a_end, b_end)
-    xs = tuple(jnp.moveaxis(a, 2 if a.ndim > 2 else 1, 0) for a in xs)
+    xs = tuple(_front(a) for a in xs)
 
     def body(carry, x):
         S, Phi = carry
@@ -84,16 +89,6 @@ def _local_scan_uncut(intra: Intra, kind_BNC, x0):
     return _state_scan(*(vary_as(a, *floats) for a in floats), *flags)
 
 
-def _front(a):
-    """``[B, H, N, ...]`` (or ``[B, N]``) -> chunks first, as a scan reads them."""
-    return None if a is None else jnp.moveaxis(a, 2 if a.ndim > 2 else 1, 0)
-
-
-def _decayed(S, decay):
-    """``S [.., v, k]`` times a chunk's decay ``[.., d]`` (one per key channel, or ``d = 1``)."""
-    return S * (decay[..., None, :] if decay.shape[-1] > 1 else decay[..., None])
-
-
 @jax.custom_vjp
 def _state_scan(w_v, w_k, k_bar, decay, x0, cont_BN, last_first_BN):
     """The scan of :func:`_local_scan_uncut`, chunk by chunk: ``S_in = S`` where the chunk's first token
@@ -109,7 +104,7 @@ def _state_scan_fwd(w_v, w_k, k_bar, decay, x0, cont_BN, last_first_BN):
         S_in = _where(cont, S, x0)
         S0 = _where(last_first, S_in, x0)
         u = w_v if w_k is None else w_v - jnp.einsum("...ck,...vk->...cv", w_k, S0)
-        return _decayed(S0, decay) + jnp.einsum("...cv,...ck->...vk", u, k_bar), (S_in, None if w_k is None else u)
+        return decayed(S0, decay) + jnp.einsum("...cv,...ck->...vk", u, k_bar), (S_in, None if w_k is None else u)
 
     xs = tuple(_front(a) for a in (w_v, w_k, k_bar, decay, cont_BN, last_first_BN))
     _, (S_in, u) = lax.scan(body, vary_as(jnp.zeros_like(x0), w_v, x0), xs)
@@ -127,7 +122,7 @@ def _state_scan_bwd(res, g_in):
         g_u = jnp.einsum("...ck,...vk->...cv", k_bar, g_next)
         prod = g_next * S0
         g_decay = prod.sum(-2) if decay.shape[-1] > 1 else prod.sum((-2, -1))[..., None]
-        g0 = _decayed(g_next, decay)
+        g0 = decayed(g_next, decay)
         g_w_k = None
         if w_k is not None:  # u = W_v - W_k S0^T
             g0 = g0 - jnp.einsum("...cv,...ck->...vk", g_u, w_k)

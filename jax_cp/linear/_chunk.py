@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax_cp.linear._products import scaled
 from jax_cp.linear._topology import running
 
-__all__ = ["Intra", "Runs", "gdn_intra", "k_bar_at", "maps_at", "runs", "ssd_intra", "unit_lower_inverse"]
+__all__ = ["Intra", "Runs", "decayed", "gdn_intra", "k_bar_at", "maps_at", "runs", "ssd_intra", "unit_lower_inverse"]
 
 
 @jax.tree_util.register_dataclass
@@ -167,6 +167,11 @@ def k_bar_at(intra: Intra, tau_BN):
     return scaled(intra.k, _masked_exp(at(intra.G) - intra.G, keep)), jnp.exp(at(intra.Gr))[..., 0, :]
 
 
+def decayed(S, decay):
+    """``S [.., v, k]`` times a run's decay ``[.., d]`` (one per key channel, or ``d = 1`` for all of ``S``)."""
+    return S * (decay[..., None, :] if decay.shape[-1] > 1 else decay[..., None])
+
+
 def maps_at(intra: Intra, tau_BN):
     """``(A, B)`` of the run holding token ``tau [B, N]`` of each chunk: the state after ``tau`` is
     ``X A + B`` for the state ``X`` the run started from. ``A [B, H, N, k, k]`` (``[.., 1, 1]`` for
@@ -177,4 +182,4 @@ def maps_at(intra: Intra, tau_BN):
         return decay[..., None], b
     a = -jnp.einsum("...sj,...sk->...jk", intra.w_k, k_bar)
     eye = jnp.eye(a.shape[-1], dtype=a.dtype)[None, None, None]
-    return a + eye * (decay[..., None, :] if decay.shape[-1] > 1 else decay[..., None]), b
+    return a + decayed(eye, decay), b
