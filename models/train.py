@@ -331,6 +331,16 @@ def _pod_environment() -> bool:
     return "," in hosts or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ
 
 
+def _no_cache_loads_over_gloo() -> None:
+    """From jax 0.12.1, CPU processes that load a program with collectives from the persistent
+    compilation cache hang in its first collective (gloo over loopback; 0.10.2 runs it): such runs
+    compile instead, and say so."""
+    if jax.__version_info__ >= (0, 12, 1) and jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_enable_compilation_cache", False)
+        print(f"persistent compilation cache off ({jax.config.jax_compilation_cache_dir}): jax "
+              f"{jax.__version__} hangs in the first collective of a program it loads from it on CPU processes")
+
+
 def init_jax(cfg: TrainConfig) -> None:
     """Recommended XLA flags, simulated CPU devices and the multi-process runtime, before JAX's backend starts."""
     if cfg.xla_flags:
@@ -345,6 +355,7 @@ def init_jax(cfg: TrainConfig) -> None:
     if cfg.coordinator is not None:
         if "cpu" in os.environ.get("JAX_PLATFORMS", "") or cfg.devices is not None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            _no_cache_loads_over_gloo()
         jax.distributed.initialize(cfg.coordinator, num_processes=cfg.num_processes, process_id=cfg.process_id,
                                    initialization_timeout=120, heartbeat_timeout_seconds=cfg.heartbeat_timeout,
                                    shutdown_timeout_seconds=30)

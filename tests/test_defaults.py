@@ -200,7 +200,7 @@ def test_defaults_hide_the_llama_layer_on_v5p():
     the ring: the same. While the ring sorted positions at run time, 0.87 of the forward's transfer
     time was covered (the sorts were all that ran under the first chunk's fused all-to-all) and a few
     small position transfers of the backward ran alone; with the default positions its masks are
-    constants picked by the step (``_splash._natural_info``) and no positions travel."""
+    known when traced, picked by the step (``_splash._natural_masks``), and no positions travel."""
     pytest.importorskip("libtpu", reason="the TPU schedule comes from the libtpu wheel's compiler")
     big = dict(model="llama3-8b", seq_len=8192, batch=4)
     r, cp, overlap = _overlaps((1, 4, 4), "v5p:4x4x4", "auto", **big)

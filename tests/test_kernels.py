@@ -338,7 +338,8 @@ def test_masks_known_when_traced_equal_the_sorted_ones(T, mask):
     """``_splash._natural_info`` (positions in order, built with NumPy when traced) gives the kernel the
     same block mask, block order, per-query bounds and rows-with-a-key as the run-time path (keys sorted,
     bounds counted) on arange positions, padding included (T = 200, 300: 56 and 84 padded lanes). The
-    ring's other chunks: every key earlier (all visible) or later (none when causal)."""
+    ring's other chunks: every key earlier (all visible) or later (none when causal). So does
+    ``_natural_masks`` (what the kernels call: the per-query arrays computed in the program), jitted."""
     from jax_cp.kernels import _splash as sp
     from jax_cp._masks import normalize_window
 
@@ -363,9 +364,13 @@ def test_masks_known_when_traced_equal_the_sorted_ones(T, mask):
     if window is None:  # the ring's other chunks (windows never take this path)
         cases += [("earlier", pos + Tp), ("later", pos - Tp)]
     for keys, qpos in cases:
-        want, got = fields(sorted_path(qpos, pos)), fields(sp._natural_info(Tp, Tp, T, T, causal, window, keys))
-        for i, (w, g) in enumerate(zip(want, got)):
-            np.testing.assert_array_equal(g, w, err_msg=f"{keys} field {i} {T=} {mask=}")
+        want = fields(sorted_path(qpos, pos))
+        traced = jax.jit(lambda: sp._natural_masks(Tp, Tp, T, T, causal, window, keys))()
+        for name, got in [("numpy", fields(sp._natural_info(Tp, Tp, T, T, causal, window, keys))),
+                          ("traced", fields(traced))]:
+            assert len(got) == len(want) == 10
+            for i, (w, g) in enumerate(zip(want, got)):
+                np.testing.assert_array_equal(g, w, err_msg=f"{name} {keys} field {i} {T=} {mask=}")
     if causal and window is None:
         assert not fields(sp._natural_info(Tp, Tp, T, T, True, None, "later"))[-1].any()
 

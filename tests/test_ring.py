@@ -89,10 +89,10 @@ def test_ring_with_splash_matches_reference(cut, K, mask, dtype, balanced):
 def test_ring_under_remat_matches_reference(kernel):
     """``jax.checkpoint`` around the ring (what ``models.train --remat`` does per block): its partial
     evaluation traces the ring's loop again. The Pallas kernels (splash, pallas_gpu; interpret mode
-    here) are traced without manual-axis type checks; that switch is a nested
-    ``shard_map(check_vma=False)``, part of the program, so the second trace is unchecked too (a
-    tracing-time config switch was not, and remat of the splash ring failed with 'dynamic_slice
-    requires varying manual axes to match')."""
+    here) are traced without manual-axis type checks; that switch is part of the program (one
+    ``jax_cp_unchecked`` primitive where every mesh axis is manual, as here), so the second trace
+    does not re-check the kernel's code (a tracing-time config switch alone did, and remat of the
+    splash ring failed with 'dynamic_slice requires varying manual axes to match')."""
     mesh = jax_cp.make_mesh(cp_colossal=4, cp_ulysses=2)
     q, k, v, ct = random_qkv(B, S, H, 2, d, F32, seed=7)
     seg = jnp.stack([jnp.arange(S) // 24, jnp.arange(S) // 40]).astype(jnp.int32)
@@ -348,3 +348,26 @@ def test_splash_ring_masks_are_tied_to_the_layers_queries():
     assert len(calls) == 1, calls
     ints = [s for dtype, s in calls[0] if jnp.issubdtype(dtype, jnp.integer)]
     assert len(ints) >= 4 and all("q" in s for s in ints), calls[0]
+
+
+@pytest.mark.parametrize("exchange,cut", [("all_gather", (1, 8)), ("ring", (4, 2))])
+def test_masks_known_when_traced_add_no_program_arguments(exchange, cut):
+    """With JAX's simplified constants (the default from JAX 0.12.1), constants over
+    ``jax_embedded_constants_max_bytes`` become extra arguments of the compiled program. The splash
+    masks of the default positions (a bound and a rows-with-a-key flag per query; 3 of each for the
+    ring's steps; Ulysses alone: the local kernel's) are computed in the program instead: the
+    program takes Q, K and V only."""
+    mesh = jax_cp.make_mesh(cp_colossal=cut[0], cp_ulysses=cut[1])
+    q, k, v, _ = random_qkv(B, 512, H, 4, d, F32, seed=3)  # 128 queries a rank: 512-byte bounds
+    f = jax.jit(lambda q, k, v: jax_cp.dot_product_attention(q, k, v, mesh=mesh, kv_exchange=exchange,
+                                                             kernel="splash", is_causal=True))
+    saved = jax.config.jax_use_simplified_jaxpr_constants, jax.config.jax_embedded_constants_max_bytes
+    jax.config.update("jax_use_simplified_jaxpr_constants", True)
+    jax.config.update("jax_embedded_constants_max_bytes", 256)
+    try:
+        text = f.lower(q, k, v).as_text()
+    finally:
+        jax.config.update("jax_use_simplified_jaxpr_constants", saved[0])
+        jax.config.update("jax_embedded_constants_max_bytes", saved[1])
+    main = re.search(r"func\.func public @main\((.*?)\) ->", text, flags=re.S).group(1)
+    assert len(re.findall(r"%arg\d+:", main)) == 3, main

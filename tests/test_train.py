@@ -619,6 +619,8 @@ def test_two_processes_equal_one(short_docs, cache_env, tmp_path):
     for p in procs:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out[-3000:]
+        if jax.__version_info__ >= (0, 12, 1):  # a program loaded from the cache hangs in its first collective
+            assert "persistent compilation cache off" in out, out[-3000:]
     two = _losses(tmp_path / "two")
     assert sorted(two) == [1, 2, 3, 4]
     np.testing.assert_allclose([two[s] for s in sorted(two)], [one["losses"][s] for s in sorted(two)],

@@ -168,10 +168,10 @@ def _info_from_bounds(hi, lo, *, Sp: int, T: int, window: bool = False, xp=jnp):
     nothing depends on the mesh context of the trace: a ``shard_map`` body under an Explicit mesh
     refuses eager ops)."""
     Tp = hi.shape[0]
+    bound, has_key = _query_bounds(hi, lo, T=T, window=window, xp=xp)
     lo = xp.zeros(Tp, xp.int32) if lo is None else lo
     qvalid = xp.arange(Tp) < T
     hi = xp.where(qvalid, hi, 0)
-    has_key = hi > lo
 
     bq, bk = _block(Tp), _block(Sp)
     N, M = Tp // bq, Sp // bk
@@ -185,8 +185,17 @@ def _info_from_bounds(hi, lo, *, Sp: int, T: int, window: bool = False, xp=jnp):
     j_next = xp.where(live, starts // bk, 0).astype(xp.int32)
     i_next = xp.where(live, xp.arange(N, dtype=xp.int32)[:, None], 0).astype(xp.int32)
     fwd, dq, dkv = _mask_info(block_mask, j_next), _mask_info(block_mask, j_next), _mask_info(block_mask, i_next)
-    bound = xp.left_shift(hi, _BITS) | xp.minimum(lo, hi) if window else hi
     return tuple(m._replace(q_sequence=bound) for m in (fwd, dq, dkv)), has_key
+
+
+def _query_bounds(hi, lo, *, T: int, window: bool, xp):
+    """Each query's ``q_sequence`` entry (``hi``; with ``window`` both bounds packed) and whether it
+    sees any key, from its bounds in the sorted keys (``lo`` None: from 0). Queries past ``T``
+    (padding) see nothing."""
+    Tp = hi.shape[0]
+    lo = xp.zeros(Tp, xp.int32) if lo is None else lo
+    hi = xp.where(xp.arange(Tp) < T, hi, 0)
+    return (xp.left_shift(hi, _BITS) | xp.minimum(lo, hi) if window else hi), hi > lo
 
 
 @functools.cache
@@ -207,8 +216,27 @@ def _natural_info(Tp: int, Sp: int, T: int, S: int, is_causal: bool, window, key
                              xp=np)
 
 
+def _natural_masks(Tp: int, Sp: int, T: int, S: int, is_causal: bool, window, keys: str = "same"):
+    """``_natural_info`` with its per-query arrays (``q_sequence``, ``has_key``) computed in the
+    program from an iota rather than held as NumPy constants: from JAX 0.12.1 on, constants over
+    1 KiB become extra arguments of the compiled program (``jax_embedded_constants_max_bytes``),
+    values the compiler knows nothing about. The block-level arrays (a few bytes per block) stay
+    NumPy constants."""
+    infos, _ = _natural_info(Tp, Sp, T, S, is_causal, window, keys)
+    t = lax.iota(jnp.int32, Tp)
+    if keys == "same":
+        hi, lo = _bounds(t, is_causal=is_causal, window=window)
+    else:
+        visible = keys == "earlier" or not is_causal
+        hi, lo = jnp.full(Tp, S - 1 if visible else -1, jnp.int32), None
+    count = lambda b: jnp.clip(b, -1, S - 1) + 1  # keys at positions <= b (no int32 overflow at the bounds)
+    bound, has_key = _query_bounds(count(hi), None if lo is None else count(lo), T=T, window=window is not None,
+                                   xp=jnp)
+    return tuple(m._replace(q_sequence=bound) for m in infos), has_key
+
+
 def _per_row(masks, B: int, *like):
-    """Mask arrays (``_natural_info``'s, or picked from them) broadcast to ``B`` batch rows and typed
+    """Mask arrays (``_natural_masks``'s, or picked from them) broadcast to ``B`` batch rows and typed
     to vary as the data ``like`` does, so that they are vmapped with it."""
     return jax.tree.map(lambda a: _vary_as(jnp.broadcast_to(a, (B, *jnp.shape(a))), *like), masks)
 
@@ -273,7 +301,7 @@ def _bounds(qpos, *, is_causal: bool, window, xp=jnp):
 def _one_row(q_HTd, k_KSd, v_KSd, qpos, kpos, qseg, kseg, sinks_H, *, T, S, is_causal, window, interpret,
              soft_cap=None, known=None):
     """One batch row, already padded to block multiples; returns ``o_HTd`` and ``has_key_T``.
-    ``known``: ``(infos, has_key)`` when the mask is known when traced (``_natural_info``), so no key
+    ``known``: ``(infos, has_key)`` when the mask is known when traced (``_natural_masks``), so no key
     is sorted and ``qpos``/``kpos`` are not read."""
     Tp, Sp = q_HTd.shape[1], k_KSd.shape[1]
     static = _static(Tp, Sp, interpret, soft_cap, window=window is not None, mqa=k_KSd.shape[0] == 1)
@@ -408,7 +436,7 @@ def _splash_jit(q_BTHd, k_BSKd, v_BSKd, q_positions, kv_positions, q_segment_ids
         return _one_row(q, k, v, qpos, kpos, qseg, kseg, sinks, T=T, S=S, is_causal=is_causal, window=window,
                         interpret=interpret, soft_cap=soft_cap, known=known)
 
-    known = _per_row(_natural_info(Tp, Sp, T, S, is_causal, window), B, q, k, v) if static_mask else None
+    known = _per_row(_natural_masks(Tp, Sp, T, S, is_causal, window), B, q, k, v) if static_mask else None
     o_BHTd, has_key_BT = jax.vmap(row)(q, k, v, qpos, kpos, qseg, kseg, known)
     o = jnp.swapaxes(o_BHTd, 1, 2)[:, :T]
     # Each call's rows-with-a-key mask is tied to its own output: the masks of a layer's head
@@ -515,7 +543,7 @@ class RingStep:
     has_segments: bool
     static: tuple  # the kernel's keyword arguments
     window: tuple[int, int] | None = None
-    natural: bool = False  # chunks of arange positions, no segments: masks known when traced (_natural_info)
+    natural: bool = False  # chunks of arange positions, no segments: masks known when traced (_natural_masks)
     span_static: tuple | None = None  # causal with span ids: the settings of each step's second call (_span_part)
 
 
@@ -530,7 +558,7 @@ def ring_prepare(q_BTHd, k_BTKd, v_BTKd, pos_BT, seg_BT, *, scale, is_causal, in
     where K/V are a chunk of other tokens, of their own length). ``window``: ``(left, right)``.
     ``natural``: every device's chunk holds the positions ``i T .. (i+1) T - 1`` (the default
     positions split over the ring), no segment ids, no window: nothing is sorted, the chunk travels
-    without positions, and each step's mask is one of three known when traced (``_natural_info``:
+    without positions, and each step's mask is one of three known when traced (``_natural_masks``:
     the same chunk, an earlier or a later one), picked by the step's ``ahead``. ``span_BT`` /
     ``kv_span_BT``: span ids of the queries / keys (the keys': ``span_BT`` unless given); with a
     causal mask they travel with the keys (a fifth element of the chunk) and the queries' join the
@@ -583,11 +611,15 @@ def _ring_known(step: RingStep, qx, kv, ahead):
         raise ValueError("a ring step with natural positions needs ahead= (how many places before the queries' "
                          "own chunk the ring holds this one), as the ring's loops pass it.")
     Tp, Sp = qx.shape[2], kv[0].shape[2]
-    masks = lambda keys: _natural_info(Tp, Sp, step.T, step.T, step.is_causal, None, keys)
+    masks = lambda keys: _natural_masks(Tp, Sp, step.T, step.T, step.is_causal, None, keys)
     known = masks("same")
     if step.is_causal:  # (not causal: every chunk is wholly visible, one mask)
         known = jax.tree.map(lambda a, b, c: jnp.where(ahead == 0, a, jnp.where(ahead > 0, b, c)),
                              known, masks("earlier"), masks("later"))
+    # Tied to this call's queries: the masks of a layer's head chunks are equal, and one shared copy
+    # lets XLA fuse the chunks' final merges into one, so chunk 0's output (and its all-to-all)
+    # would wait for chunk 1's ring (as ``_splash_call`` ties its rows-with-a-key mask).
+    known = lax.optimization_barrier((known, qx))[0]
     return _per_row(known, qx.shape[0], qx, kv[0])
 
 
