@@ -67,3 +67,23 @@ def test_unchecked_kernel_under_jit_vmap_grad_and_remat(axis_names):
     np.testing.assert_allclose(got_value, want_value, rtol=1e-6)
     np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-6)
     assert float(jnp.abs(got_grad).sum()) > 0
+
+
+@needs_devices(8)
+def test_unchecked_call_closing_over_values_of_the_enclosing_trace():
+    """A kernel call that reads a value computed in the enclosing ``shard_map`` body (here each
+    device's index along ``b``) without taking it as an argument: the value becomes an input of the
+    ``jax_cp_unchecked`` primitive, also when the call is batched by ``vmap``."""
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto, AxisType.Auto))
+
+    def body(x):  # [2, 8] per device
+        i = lax.axis_index("b").astype(x.dtype)
+        one = vary_as(unchecked(lambda v: _double(v) + i, x), x)
+        rows = jax.vmap(lambda r: vary_as(unchecked(lambda v: _double(v) - i, r), r))(x)
+        return one + 10.0 * rows
+
+    spec = jax.P(("a", "b"))
+    x = jax.random.normal(jax.random.key(1), (16, 8), jnp.float32)
+    got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(x)
+    b = np.tile(np.repeat(np.arange(4, dtype=np.float32), 2), 2)[:, None]  # device (a, b) holds rows 2 (4 a + b)
+    np.testing.assert_allclose(got, (2 * x + b) + 10.0 * (2 * x - b), rtol=1e-6, atol=1e-6)
